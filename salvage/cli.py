@@ -1,0 +1,58 @@
+"""The ``salvage`` console script: LightningCLI with salvage's defaults.
+
+- ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
+  the module, datamodule and callbacks is a config key (``salvage fit --help``).
+- omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
+- Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
+  W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
+- Always on: ``CostTracker`` (GPU-hours). One step of the trainer = one RL update.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from salvage.callbacks.cost import CostTracker  # noqa: E402
+
+
+class SalvageCLI(LightningCLI):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault(
+            "trainer_defaults",
+            {
+                "num_sanity_val_steps": 0,
+                "log_every_n_steps": 1,
+                "enable_model_summary": False,
+                "callbacks": [CostTracker()],
+            },
+        )
+        super().__init__(*args, **kwargs)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        cfg = self._get(self.config_init, "trainer", default={})
+        if cfg.get("logger") in (None, True):
+            root = cfg.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = CSVLogger(save_dir=root, name="")
+        return super().instantiate_trainer(**kwargs)
+
+
+def main(args: list[str] | None = None) -> None:
+    SalvageCLI(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

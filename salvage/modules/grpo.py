@@ -1,0 +1,398 @@
+"""GRPOModule: the policy, its optimiser, and the clipped-surrogate update.
+
+One rollout batch -> one epoch of ``num_minibatches`` optimiser steps (SPEC §1). The
+module never touches an environment or a verifier: it trains on whatever
+``RolloutBatch`` the datamodule (and the callbacks after it) hand it, so multi-turn
+agent batches and exchanged peer groups go through the same code.
+
+``trainer.global_step`` counts RL updates (rollout batches), not optimiser steps: the
+minibatch steps before the last of a batch go to the raw optimiser, the last through
+Lightning's optimiser wrapper, so ``--trainer.max_steps N`` means N updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+
+from salvage.core.grpo import AGGREGATIONS, aggregation_weights, clipped_surrogate, kl_k3
+from salvage.lm import pad_right, token_logprobs
+from salvage.metrics import StepMetrics
+from salvage.models import PolicySpec, load_model, load_tokenizer
+from salvage.types import RolloutBatch, TokenBatch, Trajectory
+
+log = logging.getLogger(__name__)
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+TRAIN_METRICS = (
+    "rollout/reward_mean",
+    "rollout/success_rate",
+    "rollout/zero_signal_frac",
+    "rollout/response_len",
+    "rollout/verifier_timeouts",
+    "loss/policy",
+    "loss/kl",
+    "loss/total",
+    "loss/clip_frac",
+    "loss/ratio_mean",
+    "train/grad_norm",
+    "train/skipped_updates",
+    "perf/rollout_tokens_per_s",
+    "perf/update_tokens_per_s",
+)
+
+
+@dataclass
+class _Row:
+    """One training sequence: a turn's prompt + response, with what the loss needs."""
+
+    ids: list[int]
+    start: int  # index in ids[1:]-aligned tensors where the response begins
+    old_logprobs: list[float]
+    advantage: float
+    weight: float
+    seq: int
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class GRPOModule(L.LightningModule):
+    """GRPO / Dr. GRPO / RLOO policy update with asymmetric clipping and optional k3 KL.
+
+    Args:
+        policy: which model to train (``tiny``, ``smollm2-135m-instruct``, a path, a hub id).
+        lr / weight_decay / betas: AdamW.
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay after ``warmup_steps``
+            (in RL updates) down to ``min_lr_ratio * lr`` at ``trainer.max_steps``.
+        num_minibatches: optimiser steps per rollout batch (one epoch over the batch).
+        micro_batch_size: sequences per forward/backward (gradient accumulation inside a
+            minibatch; the loss normalisation is over the whole minibatch).
+        clip_eps_low / clip_eps_high: asymmetric clip range (DAPO defaults 0.2 / 0.28).
+        loss_agg: ``token-mean`` (default) or ``seq-mean-token-mean``.
+        kl_coef: eta; 0 skips loading the reference model entirely.
+        max_grad_norm: gradient clipping by global norm (0 disables).
+        shuffle_minibatches: shuffle trajectories before splitting into minibatches.
+        max_nonfinite_in_a_row: a non-finite loss or gradient skips the update; this
+            many in a row stops the run.
+        seed: seed of the minibatch shuffling stream.
+    """
+
+    def __init__(
+        self,
+        policy: PolicySpec | None = None,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.0,
+        num_minibatches: int = 1,
+        micro_batch_size: int = 8,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.28,
+        loss_agg: str = "token-mean",
+        kl_coef: float = 0.0,
+        max_grad_norm: float = 1.0,
+        shuffle_minibatches: bool = True,
+        max_nonfinite_in_a_row: int = 3,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        _check(lr > 0, "model.lr", lr, "must be > 0")
+        _check(lr_schedule in LR_SCHEDULES, "model.lr_schedule", lr_schedule, f"must be one of {LR_SCHEDULES}")
+        _check(warmup_steps >= 0, "model.warmup_steps", warmup_steps, "must be >= 0")
+        _check(0 <= min_lr_ratio <= 1, "model.min_lr_ratio", min_lr_ratio, "must be in [0, 1]")
+        _check(num_minibatches >= 1, "model.num_minibatches", num_minibatches, "must be >= 1")
+        _check(micro_batch_size >= 1, "model.micro_batch_size", micro_batch_size, "must be >= 1")
+        _check(0 <= clip_eps_low < 1, "model.clip_eps_low", clip_eps_low, "must be in [0, 1)")
+        _check(clip_eps_high >= 0, "model.clip_eps_high", clip_eps_high, "must be >= 0")
+        _check(loss_agg in AGGREGATIONS, "model.loss_agg", loss_agg, f"must be one of {AGGREGATIONS}")
+        _check(kl_coef >= 0, "model.kl_coef", kl_coef, "must be >= 0")
+        _check(max_grad_norm >= 0, "model.max_grad_norm", max_grad_norm, "must be >= 0")
+        _check(max_nonfinite_in_a_row >= 1, "model.max_nonfinite_in_a_row", max_nonfinite_in_a_row, "must be >= 1")
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.spec = policy or PolicySpec()
+        self.tokenizer = load_tokenizer(self.spec)
+        self.policy: torch.nn.Module | None = None
+        self._ref: list[torch.nn.Module] = []  # a list keeps it out of state_dict / parameters
+        self.step_metrics = StepMetrics(TRAIN_METRICS, sums=("train/skipped_updates",))
+        self._nonfinite_in_a_row = 0
+        self.skipped_updates = 0
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy = load_model(self.spec, self.tokenizer)
+        if self.hparams.kl_coef > 0 and not self._ref:
+            ref = load_model(self.spec, self.tokenizer)
+            ref.eval().requires_grad_(False)
+            self._ref.append(ref)
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        return self._ref[0] if self._ref else None
+
+    def on_fit_start(self) -> None:
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self._lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _lr_lambda(self, step: int) -> float:
+        hp = self.hparams
+        if hp.warmup_steps and step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        if hp.lr_schedule == "constant":
+            return 1.0
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        if not total or total <= hp.warmup_steps:
+            return 1.0
+        frac = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+        decay = 1.0 - frac if hp.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * decay
+
+    # ------------------------------------------------------------------ batch -> rows
+    def rows_from_batch(self, batch: RolloutBatch) -> tuple[list[_Row], list[list[int]]]:
+        """Training rows (one per trainable turn) and, per trajectory, its row indices."""
+        rows: list[_Row] = []
+        per_traj: list[list[int]] = []
+        for seq, traj in enumerate(self.trajectories_for_update(batch)):
+            idx = []
+            for turn in traj.turns:
+                if not turn.train or not turn.response_ids:
+                    continue
+                idx.append(len(rows))
+                rows.append(
+                    _Row(
+                        ids=list(turn.prompt_ids) + list(turn.response_ids),
+                        start=len(turn.prompt_ids) - 1,
+                        old_logprobs=list(turn.logprobs),
+                        advantage=traj.advantage,
+                        weight=traj.weight,
+                        seq=seq,
+                    )
+                )
+            per_traj.append(idx)
+        return rows, per_traj
+
+    def trajectories_for_update(self, batch: RolloutBatch) -> list[Trajectory]:
+        """The trajectories whose tokens enter the policy loss (subclasses extend)."""
+        return batch.trajectories
+
+    def collate(self, rows: list[_Row]) -> TokenBatch:
+        ids, mask = pad_right([r.ids for r in rows], int(self.tokenizer.pad_token_id), self.device)
+        shape = (len(rows), ids.shape[1] - 1)
+        resp = torch.zeros(shape, device=self.device)
+        old = torch.zeros(shape, device=self.device)
+        adv = torch.zeros(shape, device=self.device)
+        w = torch.zeros(shape, device=self.device)
+        for i, r in enumerate(rows):
+            n = len(r.old_logprobs)
+            sl = slice(r.start, r.start + n)
+            resp[i, sl] = 1.0
+            old[i, sl] = torch.tensor(r.old_logprobs, device=self.device)
+            adv[i, sl] = r.advantage
+            w[i, sl] = r.weight
+        seq = torch.tensor([r.seq for r in rows], device=self.device)
+        return TokenBatch(ids, mask, resp, old, adv, w, seq)
+
+    # ------------------------------------------------------------------ update
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        hp = self.hparams
+        self.log_rollout(batch)
+        rows, per_traj = self.rows_from_batch(batch)
+        if not rows:
+            log.warning("step %d: rollout batch has no trainable tokens; update skipped", self.global_step)
+            self._finish_update()
+            return
+        ref_lp = self._ref_logprobs(rows, batch.temperature) if hp.kl_coef > 0 else None
+        minibatches = self._minibatches(per_traj)
+        opt = self.optimizers()
+        t0 = time.perf_counter()
+        tokens = 0
+        for k, mb in enumerate(minibatches):
+            last = k == len(minibatches) - 1
+            ok = self._update_minibatch([rows[i] for i in mb], mb, ref_lp, batch.temperature)
+            tokens += sum(len(rows[i].old_logprobs) for i in mb)
+            if ok:
+                self._optimizer_step(opt, last)
+            elif last:
+                # No gradients (set to None): the optimiser leaves every parameter alone,
+                # but Lightning still counts the update, so global_step = rollout batches.
+                opt.zero_grad(set_to_none=True)
+                self._optimizer_step(opt, last=True)
+        dt = time.perf_counter() - t0
+        self.step_metrics.update("perf/update_tokens_per_s", tokens / max(dt, 1e-9))
+        self._finish_update()
+
+    def _minibatches(self, per_traj: list[list[int]]) -> list[list[int]]:
+        order = list(range(len(per_traj)))
+        if self.hparams.shuffle_minibatches:
+            g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
+            order = torch.randperm(len(per_traj), generator=g).tolist()
+        order = [t for t in order if per_traj[t]]
+        k = min(self.hparams.num_minibatches, len(order))
+        chunks = [order[i * len(order) // k : (i + 1) * len(order) // k] for i in range(k)]
+        return [[r for t in chunk for r in per_traj[t]] for chunk in chunks]
+
+    @torch.no_grad()
+    def _ref_logprobs(self, rows: list[_Row], temperature: float) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        mbs = self.hparams.micro_batch_size
+        for s in range(0, len(rows), mbs):
+            part = rows[s : s + mbs]
+            tb = self.collate(part)
+            lp = token_logprobs(self.ref_model, tb.input_ids, tb.attention_mask, temperature)
+            out.extend(lp[i] for i in range(len(part)))
+        return out
+
+    def _update_minibatch(
+        self, rows: list[_Row], row_ids: list[int], ref_lp: list[torch.Tensor] | None, temperature: float
+    ) -> bool:
+        """Accumulate gradients of one minibatch; False if non-finite (gradients dropped)."""
+        hp = self.hparams
+        # normalisation weights over the whole minibatch, then split into micro-batches
+        lengths = torch.tensor([len(r.old_logprobs) for r in rows], dtype=torch.float32)
+        seq = torch.tensor([r.seq for r in rows])
+        agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg)
+        per_row_w = [agg[i, : int(lengths[i])] for i in range(len(rows))]
+        stats = {"policy": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
+        mbs = hp.micro_batch_size
+        finite = True
+        for s in range(0, len(rows), mbs):
+            part = rows[s : s + mbs]
+            tb = self.collate(part)
+            lp = token_logprobs(self.policy, tb.input_ids, tb.attention_mask, temperature)
+            loss_tok, ratio, clipped = clipped_surrogate(
+                lp, tb.old_logprobs, tb.advantages, hp.clip_eps_low, hp.clip_eps_high
+            )
+            aw = torch.zeros_like(lp)
+            for i, r in enumerate(part):
+                aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
+            aw = aw * tb.response_mask
+            pol = (aw * tb.weights * loss_tok).sum()
+            loss = pol
+            if ref_lp is not None:
+                ref = torch.zeros_like(lp)
+                for i in range(len(part)):
+                    rl = ref_lp[row_ids[s + i]]
+                    ref[i, : rl.shape[0]] = rl[: ref.shape[1]]
+                kl = (aw * kl_k3(lp, ref)).sum()
+                loss = loss + hp.kl_coef * kl
+                stats["kl"] += float(kl.detach())
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            self.manual_backward(loss)
+            stats["policy"] += float(pol.detach())
+            stats["clip"] += float((aw * clipped).sum().detach())
+            stats["ratio"] += float((aw * ratio).sum().detach())
+        grad_norm = self._clip_and_norm()
+        if not finite or not math.isfinite(grad_norm):
+            self.optimizers().zero_grad(set_to_none=True)
+            self._nonfinite_in_a_row += 1
+            self.skipped_updates += 1
+            self.step_metrics.update("train/skipped_updates", 1.0)
+            log.warning(
+                "step %d: non-finite %s; minibatch update skipped (%d in a row)",
+                self.global_step, "loss" if not finite else "gradient", self._nonfinite_in_a_row,
+            )
+            if self._nonfinite_in_a_row >= hp.max_nonfinite_in_a_row:
+                raise NonFiniteLossError(
+                    f"{self._nonfinite_in_a_row} non-finite updates in a row "
+                    f"(model.max_nonfinite_in_a_row={hp.max_nonfinite_in_a_row}); stopping. "
+                    "Lower model.lr or check the rewards and the data."
+                )
+            return False
+        self._nonfinite_in_a_row = 0
+        n_tok = float(lengths.sum())
+        self.step_metrics.update("loss/policy", stats["policy"], n_tok)
+        self.step_metrics.update("loss/clip_frac", stats["clip"], n_tok)
+        self.step_metrics.update("loss/ratio_mean", stats["ratio"], n_tok)
+        if ref_lp is not None:
+            self.step_metrics.update("loss/kl", stats["kl"], n_tok)
+        self.step_metrics.update("loss/total", stats["policy"] + hp.kl_coef * stats["kl"], n_tok)
+        self.step_metrics.update("train/grad_norm", grad_norm)
+        return True
+
+    def _clip_and_norm(self) -> float:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.hparams.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _optimizer_step(self, opt: Any, last: bool) -> None:
+        if last:
+            opt.step()  # through Lightning: counts one global step per rollout batch
+        else:
+            opt.optimizer.step()
+        opt.zero_grad(set_to_none=True)
+
+    def _finish_update(self) -> None:
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()
+        values = self.step_metrics.compute()
+        values["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
+        self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False)
+        for k in ("rollout/reward_mean", "loss/policy"):
+            if k in values:
+                self.log(k.split("/")[1], values[k], on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+    def log_rollout(self, batch: RolloutBatch) -> None:
+        trajs = batch.trajectories
+        m = self.step_metrics
+        for t in trajs:
+            m.update("rollout/reward_mean", t.reward)
+            m.update("rollout/success_rate", float(t.success))
+            m.update("rollout/response_len", float(t.num_response_tokens))
+        for g in batch.groups:
+            m.update("rollout/zero_signal_frac", float(g.zero_signal))
+        st = batch.stats
+        if st.get("time_generate", 0) > 0:
+            m.update("perf/rollout_tokens_per_s", st.get("gen_tokens", 0.0) / st["time_generate"])
+        m.update("rollout/verifier_timeouts", st.get("verifier_timeouts", 0.0))
+
+    # ------------------------------------------------------------------ eval
+    def on_validation_epoch_start(self) -> None:
+        self._eval_scores: list[float] = []
+
+    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
+        n = sum(len(g.trajectories) for g in batch.groups)
+        acc = sum(t.success for t in batch.trajectories) / max(1, n)
+        self.log(f"{prefix}/accuracy", acc, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        lens = sum(t.num_response_tokens for t in batch.trajectories) / max(1, n)
+        self.log(f"{prefix}/response_len", lens, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+
+
+def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:
+    width = int(lengths.max()) if lengths.numel() else 0
+    return (torch.arange(width)[None, :] < lengths[:, None]).to(torch.float32)
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{key}={value!r} {why}")

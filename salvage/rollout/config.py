@@ -1,0 +1,56 @@
+"""Rollout engine configuration and construction (one config key picks the backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BACKENDS = ("hf",)
+
+
+@dataclass
+class EngineConfig:
+    """Sampling settings of a rollout engine. Every field is a config key."""
+
+    backend: str = "hf"
+    """``hf`` (transformers generate; CPU and tests)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation of a sample ends once its text contains one (kept)."""
+    batch_size: int = 64
+    """Sequences per ``generate`` call."""
+    logprob_batch_size: int = 8
+    """Sequences per forward pass when recomputing behaviour log-probs."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"engine.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.temperature < 0:
+            raise ValueError(f"engine.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"engine.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1 or self.logprob_batch_size < 1:
+            raise ValueError("engine.batch_size and engine.logprob_batch_size must be >= 1")
+
+
+def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> Any:
+    if cfg.backend == "hf":
+        from salvage.rollout.hf import HFEngine
+
+        return HFEngine(
+            model,
+            tokenizer,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=cfg.stop,
+            batch_size=cfg.batch_size,
+            logprob_batch_size=cfg.logprob_batch_size,
+        )
+    raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
