@@ -1,0 +1,38 @@
+"""Test set-up: quiet threads, offline W&B, a cache dir per session, shared tiny fixtures."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["WANDB_MODE"] = "offline"
+_wb = tempfile.mkdtemp(prefix="salvage-wandb-")
+os.environ.setdefault("WANDB_DIR", _wb)
+os.environ.setdefault("WANDB_CACHE_DIR", _wb)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def shared_data(rel: str) -> Path:
+    """A file under ../shared/data, or skip the test with the reason."""
+    p = SHARED_DATA / rel
+    if not p.exists():
+        pytest.skip(f"shared data {p} is absent (tests needing it skip)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from salvage.models import PolicySpec, load_policy
+
+    model, tok = load_policy(PolicySpec("tiny"))
+    return model, tok

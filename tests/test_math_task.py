@@ -1,0 +1,112 @@
+"""Math reward (real math-verify) and math data loading."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import shared_data
+from salvage.tasks.math import PROMPT_SUFFIX, MathData, MathVerifyReward, last_boxed, load_math_tasks
+
+
+def test_last_boxed_takes_the_last_and_balances_braces():
+    assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert last_boxed("no answer") is None
+    assert last_boxed("\\boxed{unclosed") is None
+    assert last_boxed("\\boxed {42}") == "42"
+
+
+@pytest.mark.parametrize(
+    ("response", "gold", "expected"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{27}", "27", 1.0),
+        ("first \\boxed{3} then corrected \\boxed{4}", "4", 1.0),
+        ("first \\boxed{4} then corrected \\boxed{3}", "4", 0.0),
+        ("the answer is 4", "4", 0.0),  # no \boxed{} -> 0
+        ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+        ("\\boxed{}", "1", 0.0),
+    ],
+)
+def test_math_verify_reward(response, gold, expected):
+    r = MathVerifyReward()(response, gold)
+    assert r.reward == expected
+    assert r.success is (expected == 1.0)
+
+
+def test_verifier_timeout_scores_zero_and_is_counted():
+    reward = MathVerifyReward(timeout_s=1)
+    r = reward("\\boxed{9^{9^{9^{9}}}}", "3")
+    assert (r.reward, r.success, r.timed_out) == (0.0, False, True)
+    assert reward.timeouts == 1
+    # the verifier still works afterwards
+    assert reward("\\boxed{3}", "3").success
+
+
+def test_jsonl_loading_skips_malformed_rows_and_reports_them(tmp_path, caplog):
+    p = tmp_path / "mini.jsonl"
+    rows = [
+        json.dumps({"problem": "What is 1+1?", "answer": "2", "unique_id": "a"}),
+        "{not json",
+        json.dumps({"problem": "", "answer": "3"}),
+        json.dumps({"problem": "What is 2+2?", "answer": None}),
+        json.dumps({"problem": "AMC-style", "answer": 27.0}),
+        json.dumps({"problem": "Minerva-style", "solution": "so \\boxed{5}"}),
+    ]
+    p.write_text("\n".join(rows) + "\n")
+    tasks, report = load_math_tasks(MathData(source=str(p)))
+    assert [t.answer for t in tasks] == ["2", "27", "5"]
+    assert tasks[0].id == "mini/a"
+    assert tasks[0].messages[0]["content"].endswith(PROMPT_SUFFIX)
+    assert report["rows"] == 6 and report["skipped"] == 3
+    assert "invalid JSON" in report["examples"][0]
+    assert "skipped 3 malformed rows" in caplog.text
+
+
+def test_parquet_verl_layout_skips_empty_ground_truth(tmp_path):
+    msgs = [{"role": "user", "content": "Find x. " + PROMPT_SUFFIX}]
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": msgs, "reward_model": {"ground_truth": "7", "style": "rule"}, "level": "Level 1"},
+            {"prompt": msgs, "reward_model": {"ground_truth": "", "style": "rule"}, "level": "Level 2"},
+        ]
+    )
+    p = tmp_path / "train.parquet"
+    pq.write_table(table, p)
+    tasks, report = load_math_tasks(MathData(source=str(p)))
+    assert len(tasks) == 1 and tasks[0].answer == "7" and report["skipped"] == 1
+    assert tasks[0].messages == msgs  # the suffix is already there: not added twice
+
+
+def test_bad_sources_fail_clearly(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MathData(source=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="expected reasoning_gym"):
+        MathData(source=str(tmp_path / "x.csv"))
+    with pytest.raises(ValueError, match="reasoning-gym cannot build"):
+        load_math_tasks(MathData(source="reasoning_gym:no_such_task"))
+
+
+def test_reasoning_gym_tasks_are_verifiable_offline():
+    tasks, _ = load_math_tasks(MathData(source="reasoning_gym:basic_arithmetic", size=20, seed=3))
+    assert len(tasks) == 20
+    again, _ = load_math_tasks(MathData(source="reasoning_gym:basic_arithmetic", size=20, seed=3))
+    assert [t.messages for t in tasks] == [t.messages for t in again]
+    reward = MathVerifyReward()
+    for t in tasks[:5]:
+        assert reward(f"\\boxed{{{t.answer}}}", t.answer).success
+
+
+@pytest.mark.parametrize(
+    ("name", "n"),
+    [("math500.jsonl", 500), ("aime24.jsonl", 30), ("aime25.jsonl", 30), ("amc23.jsonl", 40),
+     ("minerva_math.jsonl", 272), ("math_train.parquet", 7498)],
+)
+def test_shared_math_files_load_as_they_are(name, n):
+    p = shared_data(f"math/{name}")
+    tasks, _ = load_math_tasks(MathData(source=str(p)))
+    assert len(tasks) == n
+    assert all(t.answer for t in tasks)
