@@ -5,7 +5,7 @@
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
-- Always on: ``CostTracker`` (GPU-hours). One step of the trainer = one RL update.
+- Always on: ``CostTracker`` (GPU-hours) and ``RunSummary`` (a table at the end of fit). One step of the trainer = one RL update.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from salvage.callbacks.cost import CostTracker  # noqa: E402
+from salvage.callbacks.summary import RunSummary  # noqa: E402
 
 
 class SalvageCLI(LightningCLI):
@@ -32,7 +33,7 @@ class SalvageCLI(LightningCLI):
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,
-                "callbacks": [CostTracker()],
+                "callbacks": [CostTracker(), RunSummary()],
             },
         )
         super().__init__(*args, **kwargs)
@@ -41,7 +42,7 @@ class SalvageCLI(LightningCLI):
         cfg = self._get(self.config_init, "trainer", default={})
         if cfg.get("logger") in (None, True):
             root = cfg.get("default_root_dir") or os.getcwd()
-            kwargs["logger"] = CSVLogger(save_dir=root, name="")
+            kwargs["logger"] = CSVLogger(save_dir=root, name="", flush_logs_every_n_steps=1)
         return super().instantiate_trainer(**kwargs)
 
 

@@ -1,0 +1,44 @@
+"""Prints a short table at the end of ``fit``: first vs last value of the key metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+
+DEFAULT_KEYS = (
+    "rollout/reward_mean",
+    "rollout/success_rate",
+    "rollout/zero_signal_frac",
+    "rollout/response_len",
+    "perf/step_s",
+    "cost/gpu_hours",
+)
+
+
+class RunSummary(L.Callback):
+    """Collects the logged value of ``keys`` after every step; prints first / last / mean."""
+
+    def __init__(self, keys: list[str] | None = None) -> None:
+        self.keys = list(keys or DEFAULT_KEYS)
+        self.history: dict[str, list[float]] = {k: [] for k in self.keys}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        m = trainer.callback_metrics
+        for k in self.keys:
+            if k in m:
+                self.history[k].append(float(m[k]))
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"salvage run summary ({trainer.global_step} updates)")
+        for col in ("metric", "first", "last", "mean"):
+            table.add_column(col, justify="right" if col != "metric" else "left")
+        for k, vals in self.history.items():
+            if vals:
+                table.add_row(k, f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{sum(vals) / len(vals):.4g}")
+        Console().print(table)
