@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from salvage.callbacks.cost import CostTracker
 from salvage.datamodules.rlvr import RLVRDataModule

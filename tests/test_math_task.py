@@ -7,9 +7,15 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import shared_data
-from salvage.tasks.math import PROMPT_SUFFIX, MathData, MathVerifyReward, last_boxed, load_math_tasks
+
+from salvage.tasks.math import (
+    PROMPT_SUFFIX,
+    MathData,
+    MathVerifyReward,
+    last_boxed,
+    load_math_tasks,
+)
 
 
 def test_last_boxed_takes_the_last_and_balances_braces():

@@ -1,10 +1,4 @@
-"""Single-turn RLVR datamodule: math tasks -> rollout batches with rewards and advantages.
-
-The dataloader yields only task indices (cheap, safe to prefetch). The rollout itself
-runs in ``on_after_batch_transfer``, i.e. right before the step's callbacks and
-``training_step``: Lightning prefetches one batch ahead, so generating inside the
-dataloader would sample with the weights of the previous step.
-"""
+"""Single-turn RLVR datamodule: math tasks -> rollout batches with rewards and advantages."""
 
 from __future__ import annotations
 
@@ -12,39 +6,17 @@ import logging
 import time
 from typing import Any
 
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-
-from salvage.core.grpo import ADVANTAGE_ESTIMATORS, group_advantages, is_zero_signal
-from salvage.rollout.config import EngineConfig, build_engine
+from salvage.core.grpo import ADVANTAGE_ESTIMATORS
+from salvage.datamodules.base import RolloutDataModule
+from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.rollout.config import EngineConfig
 from salvage.tasks.math import MathData, MathTask, MathVerifyReward, Reward, load_math_tasks
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
 
 log = logging.getLogger(__name__)
 
 
-def step_seed(seed: int, step: int, stream: int = 0) -> int:
-    """Deterministic per-step seed for one named random stream (no global RNG)."""
-    return (seed * 2_654_435_761 + step * 40_503 + stream * 97) % (2**31 - 1)
-
-
-class _Indices(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-def _collate(items: list[int]) -> list[int]:
-    return list(items)
-
-
-class RLVRDataModule(L.LightningDataModule):
+class RLVRDataModule(RolloutDataModule):
     """Math RLVR rollouts: ``prompts_per_step`` prompts x ``group_size`` samples per step.
 
     Args:
@@ -83,7 +55,7 @@ class RLVRDataModule(L.LightningDataModule):
         reward: Reward | None = None,
         seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(prompts_per_step, engine, val_batch_size, seed)
         if prompts_per_step < 1:
             raise ValueError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
         if group_size < 2:
@@ -99,67 +71,24 @@ class RLVRDataModule(L.LightningDataModule):
         self.test_data = test
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size
-        self.engine_cfg = engine or EngineConfig()
         self.val_temperature = val_temperature
         self.val_top_p = val_top_p
         self.val_samples = val_samples
-        self.val_batch_size = val_batch_size
         self.advantage = advantage
         self.adv_eps = adv_eps
         self.reward_tol = reward_tol
         self.adv_tol = adv_tol
         self.max_prompt_tokens = max_prompt_tokens
         self.reward_fn: Reward = reward or MathVerifyReward()
-        self.seed = seed
-        self.tasks: dict[str, list[MathTask]] = {}
         self.data_report: dict[str, Any] = {}
-        self._engine: Any = None
         self._prompt_cache: dict[str, list[int]] = {}
 
-    # ------------------------------------------------------------------ data
-    def setup(self, stage: str) -> None:
-        wanted = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"]}.get(stage, [])
-        for split in wanted:
-            if split in self.tasks:
-                continue
-            data = {"train": self.train_data, "val": self.val_data, "test": self.test_data or self.val_data}[split]
-            if data is None:
-                continue
-            self.tasks[split], self.data_report[split] = load_math_tasks(data)
-
-    def train_dataloader(self) -> DataLoader:
-        n = len(self.tasks["train"])
-        if n < self.prompts_per_step:
-            raise ValueError(
-                f"data.prompts_per_step={self.prompts_per_step} exceeds the {n} training tasks"
-            )
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            _Indices(n), batch_size=self.prompts_per_step, shuffle=True, drop_last=True,
-            generator=gen, collate_fn=_collate,
-        )
-
-    def _eval_loader(self, split: str) -> DataLoader | list:
-        if split not in self.tasks:
-            return []
-        return DataLoader(
-            _Indices(len(self.tasks[split])), batch_size=self.val_batch_size, shuffle=False,
-            collate_fn=_collate,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        return self._eval_loader("val")
-
-    def test_dataloader(self) -> DataLoader | list:
-        return self._eval_loader("test")
-
-    # ------------------------------------------------------------------ rollout
-    @property
-    def engine(self) -> Any:
-        module = self.trainer.lightning_module
-        if self._engine is None or self._engine.model is not module.policy:
-            self._engine = build_engine(self.engine_cfg, module.policy, module.tokenizer)
-        return self._engine
+    def load_split(self, split: str) -> list[MathTask] | None:
+        data = {"train": self.train_data, "val": self.val_data, "test": self.test_data or self.val_data}[split]
+        if data is None:
+            return None
+        tasks, self.data_report[split] = load_math_tasks(data)
+        return tasks
 
     def prompt_ids(self, task: MathTask) -> list[int]:
         ids = self._prompt_cache.get(task.id)
@@ -172,24 +101,13 @@ class RLVRDataModule(L.LightningDataModule):
             self._prompt_cache[task.id] = ids
         return ids
 
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if isinstance(batch, RolloutBatch):
-            return batch
-        trainer = self.trainer
-        if trainer.training:
-            return self.rollout(
-                [self.tasks["train"][i] for i in batch],
-                n=self.group_size,
-                seed=step_seed(self.seed, trainer.global_step, stream=0),
-            )
-        split = "test" if trainer.testing else "val"
+    def train_rollout(self, tasks: list[MathTask]) -> RolloutBatch:
+        return self.rollout(tasks, n=self.group_size, seed=step_seed(self.seed, self.trainer.global_step, 0))
+
+    def eval_rollout(self, tasks: list[MathTask], split: str) -> RolloutBatch:
         return self.rollout(
-            [self.tasks[split][i] for i in batch],
-            n=self.val_samples,
-            seed=step_seed(self.seed, trainer.global_step, stream=1),
-            temperature=self.val_temperature,
-            top_p=self.val_top_p,
-            advantages=False,
+            tasks, n=self.val_samples, seed=step_seed(self.seed, self.trainer.global_step, 1),
+            temperature=self.val_temperature, top_p=self.val_top_p, advantages=False,
         )
 
     def rollout(
@@ -239,10 +157,4 @@ class RLVRDataModule(L.LightningDataModule):
         )
 
     def assign_advantages(self, group: Group) -> None:
-        rewards = torch.tensor(group.rewards, dtype=torch.float32)
-        adv = group_advantages(rewards, self.advantage, self.adv_eps)
-        for t, a in zip(group.trajectories, adv.tolist(), strict=True):
-            t.advantage = a
-        group.zero_signal = is_zero_signal(
-            rewards, torch.tensor(group.successes), adv, self.reward_tol, self.adv_tol
-        )
+        assign_advantages(group, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)

@@ -1,0 +1,103 @@
+"""Base of the rollout-producing datamodules.
+
+The dataloaders yield only task indices (cheap, safe to prefetch). The rollout itself
+runs in ``on_after_batch_transfer``, i.e. right before the step's callbacks and
+``training_step``: Lightning prefetches one batch ahead, so generating inside the
+dataloader would sample with the weights of the previous step. Callbacks then see the
+finished ``RolloutBatch`` in ``on_train_batch_start`` (where rescue stages attach to it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from salvage.rollout.config import EngineConfig, build_engine
+from salvage.types import RolloutBatch
+
+SPLITS_FOR_STAGE = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}
+
+
+class _Indices(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _collate(items: list[int]) -> list[int]:
+    return list(items)
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Task lists per split, index dataloaders, the engine on the live policy."""
+
+    def __init__(self, tasks_per_step: int, engine: EngineConfig | None, val_batch_size: int, seed: int) -> None:
+        super().__init__()
+        if val_batch_size < 1:
+            raise ValueError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
+        self.tasks_per_step = tasks_per_step
+        self.engine_cfg = engine or EngineConfig()
+        self.val_batch_size = val_batch_size
+        self.seed = seed
+        self.tasks: dict[str, list[Any]] = {}
+        self._engine: Any = None
+
+    def load_split(self, split: str) -> list[Any] | None:
+        """The tasks of ``train`` / ``val`` / ``test`` (None: split not configured)."""
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        for split in SPLITS_FOR_STAGE.get(stage, ()):
+            if split not in self.tasks:
+                tasks = self.load_split(split)
+                if tasks is not None:
+                    self.tasks[split] = tasks
+
+    def train_dataloader(self) -> DataLoader:
+        n = len(self.tasks["train"])
+        if n < self.tasks_per_step:
+            raise ValueError(f"{self.tasks_per_step} tasks per step exceed the {n} training tasks")
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(_Indices(n), batch_size=self.tasks_per_step, shuffle=True, drop_last=True,
+                          generator=gen, collate_fn=_collate)
+
+    def _eval_loader(self, split: str) -> DataLoader | list:
+        if split not in self.tasks:
+            return []
+        return DataLoader(_Indices(len(self.tasks[split])), batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=_collate)
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self._eval_loader("test")
+
+    @property
+    def engine(self) -> Any:
+        module = self.trainer.lightning_module
+        if self._engine is None or self._engine.model is not module.policy:
+            self._engine = build_engine(self.engine_cfg, module.policy, module.tokenizer)
+        return self._engine
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, RolloutBatch):
+            return batch
+        if self.trainer.training:
+            return self.train_rollout([self.tasks["train"][i] for i in batch])
+        split = "test" if self.trainer.testing else "val"
+        return self.eval_rollout([self.tasks[split][i] for i in batch], split)
+
+    def train_rollout(self, tasks: list[Any]) -> RolloutBatch:
+        raise NotImplementedError
+
+    def eval_rollout(self, tasks: list[Any], split: str) -> RolloutBatch:
+        raise NotImplementedError

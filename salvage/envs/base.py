@@ -1,0 +1,128 @@
+"""Restorable text environments: the universal replay implementation of the Env protocol.
+
+Every intermediate state of an episode must be restorable exactly (VH-GPO, SPEC §2).
+``ReplayEnv`` records the task, the seed and the action list since ``reset``; its
+``snapshot()`` is that record (plain JSON data, never pickle) plus the observation seen
+at that point, and ``restore(state)`` replays the actions from ``reset(task, seed)``
+and **verifies** that the observation it reaches equals the recorded one. A mismatch
+raises ``RestoreError``: a restore that does not match is a failed restore, never
+silently used.
+
+Subclasses implement ``_reset`` and ``_step`` and normalise ``info`` to carry:
+``won`` (bool), ``admissible`` (list of str), ``score`` (float), ``done`` (bool), and,
+where the environment knows one, ``oracle_action`` (the gold/expert next action).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, ClassVar
+
+from salvage.types import StepResult
+
+
+class RestoreError(RuntimeError):
+    """A snapshot could not be restored exactly (replay diverged or the record is corrupt)."""
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class ReplayEnv:
+    """Base class: recording, snapshot and verified restore by deterministic replay."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self) -> None:
+        self._task: dict[str, Any] | None = None
+        self._seed: int = 0
+        self._actions: list[str] = []
+        self._obs: str = ""
+        self._info: dict[str, Any] = {}
+        self._done = False
+
+    # -- to implement -------------------------------------------------------------
+    def _reset(self, task: dict[str, Any], seed: int) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        raise NotImplementedError
+
+    @classmethod
+    def list_tasks(cls, split: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """Task dicts of a split; each has ``id`` and ``family``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    # -- protocol -----------------------------------------------------------------
+    def reset(self, task: dict[str, Any], seed: int = 0) -> tuple[str, dict[str, Any]]:
+        obs, info = self._reset(task, seed)
+        self._task, self._seed, self._actions = dict(task), int(seed), []
+        self._obs, self._info, self._done = obs, info, False
+        return obs, info
+
+    def step(self, action: str) -> StepResult:
+        if self._task is None:
+            raise RuntimeError(f"{self.name}: step() before reset()")
+        if self._done:
+            raise RuntimeError(f"{self.name}: step() after the episode ended")
+        obs, reward, done, info = self._step(action)
+        self._actions.append(action)
+        self._obs, self._info, self._done = obs, info, bool(done)
+        return StepResult(obs, float(reward), bool(done), info)
+
+    @property
+    def depth(self) -> int:
+        return len(self._actions)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self._info
+
+    @property
+    def observation(self) -> str:
+        return self._obs
+
+    def snapshot(self) -> dict[str, Any]:
+        if self._task is None:
+            raise RuntimeError(f"{self.name}: snapshot() before reset()")
+        return {
+            "env": self.name,
+            "task": self._task,
+            "seed": self._seed,
+            "actions": list(self._actions),
+            "observation": self._obs,
+            "digest": digest(self._obs),
+        }
+
+    def restore(self, state: dict[str, Any]) -> str:
+        """Replay ``state`` from reset and verify the observation; returns it."""
+        try:
+            if state["env"] != self.name:
+                raise RestoreError(f"snapshot is for env {state['env']!r}, not {self.name!r}")
+            task, seed, actions = state["task"], int(state["seed"]), list(state["actions"])
+            want = state["observation"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise RestoreError(f"{self.name}: malformed snapshot ({e!r})") from e
+        if state.get("digest") not in (None, digest(want)):
+            raise RestoreError(f"{self.name}: snapshot digest does not match its observation (tampered?)")
+        obs, _ = self.reset(task, seed)
+        for t, a in enumerate(actions):
+            if self._done:
+                raise RestoreError(f"{self.name}: replay ended at depth {t} of {len(actions)}")
+            obs = self.step(a).observation
+        if obs != want:
+            raise RestoreError(
+                f"{self.name}: restore at depth {len(actions)} does not reproduce the recorded "
+                f"observation: got {obs[:120]!r}, recorded {want[:120]!r}"
+            )
+        return obs
+
+
+def check_json(state: dict[str, Any]) -> dict[str, Any]:
+    """Round-trip a snapshot through JSON (snapshots must be plain data)."""
+    return json.loads(json.dumps(state))

@@ -1,0 +1,297 @@
+"""Parallel environment workers with per-episode fault isolation.
+
+``EnvPool`` runs episodes (identified by integer ids chosen by the caller) either in the
+calling process (``num_workers=0``) or in worker processes (episode ``e`` lives on worker
+``e % num_workers``). Every operation on a batch of episodes returns one ``EnvResult``
+per item; nothing raises for an environment's fault:
+
+- an exception inside an environment fails that item (``ok=False``), the others go on;
+- a worker that dies or does not answer within ``step_timeout_s`` is killed and
+  restarted; the item it was executing fails; the other episodes it hosted are
+  restored on the new worker by verified replay from the parent's record of their
+  actions (so they lose nothing), and its remaining items are re-run.
+
+Counters ``errors`` and ``restarts`` feed the ``env/errors`` metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from dataclasses import dataclass
+from typing import Any
+
+from salvage.envs import make_env
+from salvage.envs.base import ReplayEnv
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EnvResult:
+    ok: bool
+    value: Any = None
+    """reset/restore: (observation, info); step: StepResult; snapshot: dict."""
+    error: str | None = None
+
+
+class _Host:
+    """Holds the env instances of one worker (or of the parent when in-process)."""
+
+    def __init__(self, env_name: str, env_kwargs: dict[str, Any]) -> None:
+        self.env_name = env_name
+        self.env_kwargs = env_kwargs
+        self.envs: dict[int, ReplayEnv] = {}
+        self.free: list[ReplayEnv] = []
+
+    def _env(self, eid: int, create: bool) -> ReplayEnv:
+        env = self.envs.get(eid)
+        if env is None:
+            if not create:
+                raise KeyError(f"episode {eid} has no live environment (failed or released)")
+            env = self.free.pop() if self.free else make_env(self.env_name, **self.env_kwargs)
+            self.envs[eid] = env
+        return env
+
+    def handle(self, op: str, eid: int, arg: Any) -> EnvResult:
+        try:
+            if op == "reset":
+                task, seed = arg
+                env = self._env(eid, create=True)
+                obs, info = env.reset(task, seed)
+                return EnvResult(True, (obs, info))
+            if op == "step":
+                res = self._env(eid, create=False).step(arg)
+                return EnvResult(True, res)
+            if op == "snapshot":
+                return EnvResult(True, self._env(eid, create=False).snapshot())
+            if op == "restore":
+                env = self._env(eid, create=True)
+                obs = env.restore(arg)
+                return EnvResult(True, (obs, env.info))
+            if op == "release":
+                env = self.envs.pop(eid, None)
+                if env is not None:
+                    self.free.append(env)
+                return EnvResult(True)
+            return EnvResult(False, error=f"unknown op {op!r}")
+        except Exception as e:  # noqa: BLE001 - an env fault fails only this item
+            broken = self.envs.pop(eid, None)
+            if broken is not None:
+                try:
+                    broken.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            return EnvResult(False, error=f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        for env in [*self.envs.values(), *self.free]:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.envs.clear()
+        self.free.clear()
+
+
+def _worker_main(conn: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
+    host = _Host(env_name, env_kwargs)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            for idx, op, eid, arg in msg:
+                conn.send((idx, host.handle(op, eid, arg)))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        host.close()
+
+
+class _Worker:
+    def __init__(self, ctx: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
+        self.parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, env_name, env_kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.join(timeout=5)
+        finally:
+            self.parent.close()
+
+
+class EnvPool:
+    """Run environment operations for many episodes, in-process or across workers.
+
+    Args:
+        env_name: registered env name (``twx``, ``alfworld``, ``scripted``, ...).
+        env_kwargs: constructor arguments of the env class.
+        num_workers: 0 runs in the calling process; N > 0 starts N worker processes.
+        step_timeout_s: a worker silent for this long on one operation is declared hung.
+    """
+
+    def __init__(
+        self,
+        env_name: str,
+        env_kwargs: dict[str, Any] | None = None,
+        num_workers: int = 0,
+        step_timeout_s: float = 60.0,
+    ) -> None:
+        if num_workers < 0:
+            raise ValueError(f"env num_workers must be >= 0, got {num_workers}")
+        if step_timeout_s <= 0:
+            raise ValueError(f"env step_timeout_s must be > 0, got {step_timeout_s}")
+        self.env_name = env_name
+        self.env_kwargs = dict(env_kwargs or {})
+        self.num_workers = num_workers
+        self.step_timeout_s = step_timeout_s
+        self.errors = 0
+        self.restarts = 0
+        self.error_log: list[str] = []
+        self._trace: dict[int, dict[str, Any]] = {}
+        self._ctx = mp.get_context("spawn")
+        self._local = _Host(env_name, self.env_kwargs) if num_workers == 0 else None
+        self._workers = [self._start() for _ in range(num_workers)]
+
+    def _start(self) -> _Worker:
+        return _Worker(self._ctx, self.env_name, self.env_kwargs)
+
+    # ------------------------------------------------------------------ public ops
+    def reset(self, items: list[tuple[int, dict[str, Any], int]]) -> list[EnvResult]:
+        return self._run([("reset", eid, (task, seed)) for eid, task, seed in items])
+
+    def step(self, items: list[tuple[int, str]]) -> list[EnvResult]:
+        return self._run([("step", eid, a) for eid, a in items])
+
+    def snapshot(self, eids: list[int]) -> list[EnvResult]:
+        return self._run([("snapshot", eid, None) for eid in eids])
+
+    def restore(self, items: list[tuple[int, dict[str, Any]]]) -> list[EnvResult]:
+        return self._run([("restore", eid, state) for eid, state in items])
+
+    def release(self, eids: list[int]) -> None:
+        self._run([("release", eid, None) for eid in eids])
+        for eid in eids:
+            self._trace.pop(eid, None)
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+        for w in self._workers:
+            try:
+                w.parent.send(None)
+                w.proc.join(timeout=5)
+            except (OSError, BrokenPipeError):
+                pass
+            if w.proc.is_alive():
+                w.kill()
+        self._workers = []
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ machinery
+    def _record(self, op: str, eid: int, arg: Any, res: EnvResult) -> None:
+        """Keep the parent's replay record of each episode (to rebuild lost workers)."""
+        if not res.ok:
+            self.errors += op != "release"
+            self.error_log.append(f"episode {eid} {op}: {res.error}")
+            log.warning("env %s: episode %d %s failed: %s", self.env_name, eid, op, res.error)
+            self._trace.pop(eid, None)
+            return
+        if op == "reset":
+            task, seed = arg
+            self._trace[eid] = {"env": self.env_name, "task": task, "seed": seed, "actions": [],
+                                "observation": res.value[0]}
+        elif op == "restore":
+            self._trace[eid] = {k: arg[k] for k in ("env", "task", "seed", "actions", "observation")}
+            self._trace[eid]["actions"] = list(arg["actions"])
+        elif op == "step" and eid in self._trace:
+            tr = self._trace[eid]
+            tr["actions"].append(arg)
+            tr["observation"] = res.value.observation
+
+    def _run(self, ops: list[tuple[str, int, Any]]) -> list[EnvResult]:
+        results: list[EnvResult | None] = [None] * len(ops)
+        if self._local is not None:
+            for i, (op, eid, arg) in enumerate(ops):
+                results[i] = self._local.handle(op, eid, arg)
+                self._record(op, eid, arg, results[i])
+            return results  # type: ignore[return-value]
+        per_worker: dict[int, list[tuple[int, str, int, Any]]] = {}
+        for i, (op, eid, arg) in enumerate(ops):
+            per_worker.setdefault(eid % self.num_workers, []).append((i, op, eid, arg))
+        for w, items in per_worker.items():
+            self._send(w, items)
+        for w, items in per_worker.items():
+            self._collect(w, items, results)
+        return results  # type: ignore[return-value]
+
+    def _send(self, w: int, items: list[tuple[int, str, int, Any]]) -> bool:
+        try:
+            self._workers[w].parent.send(items)
+            return True
+        except (OSError, BrokenPipeError):
+            return False
+
+    def _timeout(self, op: str, arg: Any) -> float:
+        if op == "restore" and isinstance(arg, dict):
+            return self.step_timeout_s * (1 + len(arg.get("actions", [])))
+        return self.step_timeout_s
+
+    def _collect(self, w: int, items: list[tuple[int, str, int, Any]], results: list[EnvResult | None]) -> None:
+        pending = list(items)
+        while pending:
+            idx, op, eid, arg = pending[0]
+            conn = self._workers[w].parent
+            reason = None
+            try:
+                if conn.poll(self._timeout(op, arg)):
+                    got_idx, res = conn.recv()
+                    if got_idx != idx:  # cannot happen with an ordered pipe; be loud if it does
+                        raise RuntimeError(f"env worker {w} answered item {got_idx}, expected {idx}")
+                    results[idx] = res
+                    self._record(op, eid, arg, res)
+                    pending.pop(0)
+                    continue
+                reason = f"no answer within {self._timeout(op, arg):.0f}s (hung)"
+            except (EOFError, OSError, BrokenPipeError):
+                reason = f"worker died (exit code {self._workers[w].proc.exitcode})"
+            # the worker is lost: fail the in-flight item, rebuild the others, re-run the rest
+            res = EnvResult(False, error=f"env worker {w}: {reason}")
+            results[idx] = res
+            self._record(op, eid, arg, res)
+            pending.pop(0)
+            self._restart(w, exclude={eid})
+            if pending and not self._send(w, pending):
+                for j, op2, eid2, arg2 in pending:
+                    results[j] = EnvResult(False, error=f"env worker {w}: could not be restarted")
+                    self._record(op2, eid2, arg2, results[j])
+                return
+
+    def _restart(self, w: int, exclude: set[int]) -> None:
+        self._workers[w].kill()
+        self.restarts += 1
+        self._workers[w] = self._start()
+        hosted = [eid for eid in self._trace if eid % self.num_workers == w and eid not in exclude]
+        if not hosted:
+            return
+        items = [(i, "restore", eid, dict(self._trace[eid])) for i, eid in enumerate(hosted)]
+        self._workers[w].parent.send(items)
+        conn = self._workers[w].parent
+        for _i, _, eid, state in items:
+            if conn.poll(self._timeout("restore", state)):
+                _, res = conn.recv()
+            else:
+                res = EnvResult(False, error="restore after worker restart timed out")
+            if not res.ok:
+                self.errors += 1
+                self.error_log.append(f"episode {eid} lost with worker {w}: {res.error}")
+                self._trace.pop(eid, None)
