@@ -35,7 +35,7 @@ class ScriptedEnv(ReplayEnv):
                           "actions": list(pool)})
         return tasks
 
-    def _obs(self) -> str:
+    def _render(self) -> str:
         return f"step {self.depth_now}: history {'/'.join(self._taken)}"
 
     def _reset(self, task: dict[str, Any], seed: int) -> tuple[str, dict[str, Any]]:
@@ -44,9 +44,9 @@ class ScriptedEnv(ReplayEnv):
         self._taken: list[str] = []
         self.depth_now = 0
         self._alive = True
-        return self._obs(), self._info()
+        return self._render(), self._scripted_info()
 
-    def _info(self) -> dict[str, Any]:
+    def _scripted_info(self) -> dict[str, Any]:
         d = len(self._taken)
         won = self._alive and self._taken == self._solution
         oracle = self._solution[d] if self._alive and d < len(self._solution) else None
@@ -65,6 +65,6 @@ class ScriptedEnv(ReplayEnv):
             self._alive = False
         self._taken.append(action)
         self.depth_now = len(self._taken)
-        info = self._info()
+        info = self._scripted_info()
         done = info["won"] or len(self._taken) >= self.max_steps
-        return self._obs(), 10.0 * info["won"], done, info
+        return self._render(), 10.0 * info["won"], done, info

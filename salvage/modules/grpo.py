@@ -37,6 +37,9 @@ TRAIN_METRICS = (
     "rollout/zero_signal_frac",
     "rollout/response_len",
     "rollout/verifier_timeouts",
+    "rollout/invalid_turn_frac",
+    "rollout/turns",
+    "env/errors",
     "loss/policy",
     "loss/kl",
     "loss/total",
@@ -125,7 +128,7 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = load_tokenizer(self.spec)
         self.policy: torch.nn.Module | None = None
         self._ref: list[torch.nn.Module] = []  # a list keeps it out of state_dict / parameters
-        self.step_metrics = StepMetrics(TRAIN_METRICS, sums=("train/skipped_updates",))
+        self.step_metrics = StepMetrics(TRAIN_METRICS, sums=("train/skipped_updates", "env/errors"))
         self._nonfinite_in_a_row = 0
         self.skipped_updates = 0
 
@@ -363,29 +366,43 @@ class GRPOModule(L.LightningModule):
             m.update("rollout/reward_mean", t.reward)
             m.update("rollout/success_rate", float(t.success))
             m.update("rollout/response_len", float(t.num_response_tokens))
+            m.update("rollout/turns", float(len(t.turns)))
+            for turn in t.turns:
+                m.update("rollout/invalid_turn_frac", float(not turn.valid))
         for g in batch.groups:
             m.update("rollout/zero_signal_frac", float(g.zero_signal))
         st = batch.stats
         if st.get("time_generate", 0) > 0:
             m.update("perf/rollout_tokens_per_s", st.get("gen_tokens", 0.0) / st["time_generate"])
         m.update("rollout/verifier_timeouts", st.get("verifier_timeouts", 0.0))
+        if "env_errors" in st:
+            m.update("env/errors", st["env_errors"])
 
     # ------------------------------------------------------------------ eval
-    def on_validation_epoch_start(self) -> None:
-        self._eval_scores: list[float] = []
-
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
+        self._eval_step(batch, "eval")
 
     def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
-        n = sum(len(g.trajectories) for g in batch.groups)
-        acc = sum(t.success for t in batch.trajectories) / max(1, n)
-        self.log(f"{prefix}/accuracy", acc, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
-        lens = sum(t.num_response_tokens for t in batch.trajectories) / max(1, n)
+        """Success (pass@1 over samples) overall and per task family / benchmark."""
+        trajs = batch.trajectories
+        n = len(trajs)
+        if not n:
+            return
+        self.log(f"{prefix}/success", sum(t.success for t in trajs) / n, on_step=False, on_epoch=True,
+                 batch_size=n, sync_dist=True)
+        lens = sum(t.num_response_tokens for t in trajs) / n
         self.log(f"{prefix}/response_len", lens, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        by_family: dict[str, list[float]] = {}
+        for g in batch.groups:
+            fam = g.task.get("family")
+            if fam:
+                by_family.setdefault(str(fam), []).extend(float(t.success) for t in g.trajectories)
+        for fam, vals in by_family.items():
+            self.log(f"{prefix}/success/{fam}", sum(vals) / len(vals), on_step=False, on_epoch=True,
+                     batch_size=len(vals))
 
 
 def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:

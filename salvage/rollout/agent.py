@@ -10,6 +10,7 @@ the latter is what VH-GPO's teacher recovery and handoff search use.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -143,6 +144,8 @@ class AgentRunner:
         self.max_turns = max_turns
         self._eids = itertools.count()
         self.env_steps = 0
+        self.time_policy = 0.0
+        self.time_env = 0.0
 
     def run(self, starts: Sequence[Start], policy: TurnPolicy, seed: int, train: bool = True) -> list[Episode]:
         eps = [Episode(next(self._eids), s, env=self.pool.env_name) for s in starts]
@@ -153,7 +156,10 @@ class AgentRunner:
             if not live:
                 break
             prompts = [self._prompt(e) for e in live]
+            t0 = time.perf_counter()
             resp = policy.respond(prompts, [e.info for e in live], seed=_mix(seed, turn))
+            t1 = time.perf_counter()
+            self.time_policy += t1 - t0
             steps = []
             for e, p, r in zip(live, prompts, resp, strict=True):
                 action, valid = parse_action(r.text, self.fmt)
@@ -165,6 +171,7 @@ class AgentRunner:
                 ))
                 steps.append((e.eid, action))
             results = self.pool.step(steps)
+            self.time_env += time.perf_counter() - t1
             self.env_steps += len(steps)
             for e, (_, action), res in zip(live, steps, results, strict=True):
                 if not res.ok:

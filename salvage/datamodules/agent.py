@@ -1,0 +1,199 @@
+"""Multi-turn agent datamodule: tasks x G episodes on real text environments -> rollout batches.
+
+Each training step takes ``tasks_per_step`` tasks, runs ``group_size`` (G) episodes of
+each with the live student (batched: one ``generate`` per turn for all live episodes)
+on an ``EnvPool``, and hands GRPOModule a ``RolloutBatch`` whose trajectories carry one
+``Turn`` per interaction. The trajectory reward is ``10 * won - 0.1 * invalid turns``
+(training only); success is ``won``. An episode whose environment crashed or hung is
+failed, logged, counted in ``env/errors`` and left out of its group (never trained on).
+Evaluation logs success overall and per task family.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from salvage.core.agent import AgentFormat
+from salvage.core.grpo import ADVANTAGE_ESTIMATORS
+from salvage.datamodules.base import RolloutDataModule
+from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.envs import env_class
+from salvage.envs.pool import EnvPool
+from salvage.rollout.agent import AgentRunner, LMPolicy, Start
+from salvage.rollout.config import EngineConfig
+from salvage.types import Group, RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EnvSpec:
+    """Which environment, its constructor arguments, and its task lists per split."""
+
+    name: str = "twx"
+    """``twx``, ``alfworld``, ``scripted`` (tests)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments of the env class (e.g. ``step_limit``)."""
+    train_tasks: dict[str, Any] = field(default_factory=dict)
+    """Arguments of the env's ``list_tasks("train", ...)`` (twx: game, params, num_tasks)."""
+    val_tasks: dict[str, Any] | None = None
+    """Arguments of ``list_tasks("val", ...)``; None: no validation."""
+    test_tasks: dict[str, Any] | None = None
+    """Arguments of ``list_tasks("test", ...)``; None: the validation tasks."""
+    num_workers: int = 0
+    """Environment worker processes (0: in the trainer's process)."""
+    step_timeout_s: float = 60.0
+    """A worker silent this long on one operation is declared hung and restarted."""
+
+    def __post_init__(self) -> None:
+        env_class(self.name)  # unknown names fail at config time, naming the key
+        if self.num_workers < 0:
+            raise ValueError(f"data.env.num_workers must be >= 0, got {self.num_workers}")
+        if self.step_timeout_s <= 0:
+            raise ValueError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+
+class AgentDataModule(RolloutDataModule):
+    """Agent rollouts for GRPO (and, through callbacks, VH-GPO).
+
+    Args:
+        env: environment, tasks and workers.
+        agent: prompt/answer format, history length, penalties.
+        max_turns: episode cap H (environment interactions).
+        tasks_per_step: tasks per rollout batch.
+        group_size: episodes per task (G).
+        engine: sampling settings of the student.
+        val_temperature: sampling temperature of evaluation episodes (0 = greedy).
+        advantage / adv_eps / reward_tol / adv_tol: as in RLVRDataModule.
+        max_prompt_tokens: longer prompts keep their last tokens.
+        seed: seed of task order and of every sampling stream.
+    """
+
+    def __init__(
+        self,
+        env: EnvSpec | None = None,
+        agent: AgentFormat | None = None,
+        max_turns: int = 50,
+        tasks_per_step: int = 4,
+        group_size: int = 8,
+        engine: EngineConfig | None = None,
+        val_temperature: float = 0.0,
+        val_batch_size: int = 16,
+        advantage: str = "grpo",
+        adv_eps: float = 1e-6,
+        reward_tol: float = 1e-6,
+        adv_tol: float = 1e-6,
+        max_prompt_tokens: int = 2048,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(tasks_per_step, engine, val_batch_size, seed)
+        if max_turns < 1:
+            raise ValueError(f"data.max_turns (H) must be >= 1, got {max_turns}")
+        if tasks_per_step < 1:
+            raise ValueError(f"data.tasks_per_step must be >= 1, got {tasks_per_step}")
+        if group_size < 2:
+            raise ValueError(f"data.group_size must be >= 2, got {group_size}")
+        if advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}")
+        self.env_spec = env or EnvSpec()
+        self.fmt = agent or AgentFormat()
+        self.max_turns = max_turns
+        self.group_size = group_size
+        self.val_temperature = val_temperature
+        self.advantage = advantage
+        self.adv_eps = adv_eps
+        self.reward_tol = reward_tol
+        self.adv_tol = adv_tol
+        self.max_prompt_tokens = max_prompt_tokens
+        self.pool: EnvPool | None = None
+        self.runner: AgentRunner | None = None
+        self.env_errors_total = 0
+
+    # ------------------------------------------------------------------ set-up
+    def load_split(self, split: str) -> list[dict[str, Any]] | None:
+        spec = self.env_spec
+        args = {"train": spec.train_tasks, "val": spec.val_tasks, "test": spec.test_tasks or spec.val_tasks}[split]
+        if args is None:
+            return None
+        return env_class(spec.name).list_tasks(split, **args)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.pool is None:
+            self.pool = EnvPool(self.env_spec.name, self.env_spec.kwargs, self.env_spec.num_workers,
+                                self.env_spec.step_timeout_s)
+            self.runner = AgentRunner(self.pool, self.fmt, self.max_turns)
+
+    def teardown(self, stage: str) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+            self.runner = None
+
+    def student(self) -> LMPolicy:
+        module = self.trainer.lightning_module
+        return LMPolicy(self.engine, module.tokenizer, self.fmt, self.max_prompt_tokens)
+
+    # ------------------------------------------------------------------ rollouts
+    def train_rollout(self, tasks: list[dict[str, Any]]) -> RolloutBatch:
+        seed = step_seed(self.seed, self.trainer.global_step, 0)
+        return self.rollout(tasks, self.group_size, seed, self.student())
+
+    def eval_rollout(self, tasks: list[dict[str, Any]], split: str) -> RolloutBatch:
+        policy = self.student()
+        policy.engine = self._eval_engine()
+        seed = step_seed(self.seed, self.trainer.global_step, 1)
+        return self.rollout(tasks, 1, seed, policy, advantages=False)
+
+    def _eval_engine(self) -> Any:
+        from dataclasses import replace
+
+        from salvage.rollout.config import build_engine
+
+        module = self.trainer.lightning_module
+        return build_engine(replace(self.engine_cfg, temperature=self.val_temperature), module.policy,
+                            module.tokenizer)
+
+    def rollout(self, tasks: list[dict[str, Any]], n: int, seed: int, policy: Any,
+                advantages: bool = True) -> RolloutBatch:
+        t0 = time.perf_counter()
+        assert self.runner is not None and self.pool is not None
+        errors_before = self.pool.errors
+        steps_before = self.runner.env_steps
+        tp, te = self.runner.time_policy, self.runner.time_env
+        starts = [Start(task=t, seed=seed + j) for t in tasks for j in range(n)]
+        episodes = self.runner.run(starts, policy, seed)
+        groups: list[Group] = []
+        for i, task in enumerate(tasks):
+            eps = episodes[i * n : (i + 1) * n]
+            trajs = [self.runner.to_trajectory(e) for e in eps if e.error is None]
+            for e in eps:
+                if e.error is not None:
+                    log.warning("task %s episode %d failed: %s", task["id"], e.eid, e.error)
+            if not trajs:
+                continue
+            g = Group(task_id=task["id"], trajectories=trajs, task=task)
+            g.info["failed_episodes"] = n - len(trajs)
+            if advantages and len(trajs) > 1:
+                assign_advantages(g, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)
+            groups.append(g)
+        gen_tokens = sum(t.num_response_tokens for g in groups for t in g.trajectories)
+        errors = self.pool.errors - errors_before
+        self.env_errors_total += errors
+        t_end = time.perf_counter()
+        return RolloutBatch(
+            groups=groups,
+            temperature=self.engine_cfg.temperature if self.engine_cfg.temperature > 0 else 1.0,
+            stats={
+                "t_start": t0,
+                "time_generate": self.runner.time_policy - tp,
+                "time_env": self.runner.time_env - te,
+                "time_rollout": t_end - t0,
+                "gen_tokens": float(gen_tokens),
+                "env_errors": float(errors),
+                "env_steps": float(self.runner.env_steps - steps_before),
+            },
+        )

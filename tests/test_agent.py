@@ -1,0 +1,153 @@
+"""Agent loop: format parsing, prompts, penalties, determinism, multi-turn GRPO through the CLI."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from salvage.core.agent import AgentFormat, parse_action, render_prompt, trajectory_reward
+from salvage.envs.pool import EnvPool
+from salvage.rollout.agent import AgentRunner, LMPolicy, OraclePolicy, Start
+from salvage.rollout.hf import HFEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("text", "action", "valid"),
+    [
+        ("<think>coin is here</think><action>take coin</action>", "take coin", True),
+        ("<action>  take   coin </action>", "take coin", True),
+        ("I will take the coin", "I will take the coin", False),
+        ("<action></action>", "", False),
+        ("<action>look around</action> and <action>take coin</action>", "take coin", False),
+        ("<think>x</think><action>open fridge", "open fridge", False),
+    ],
+)
+def test_parse_action(text, action, valid):
+    assert parse_action(text, AgentFormat()) == (action, valid)
+
+
+def test_require_think():
+    fmt = AgentFormat(require_think=True)
+    assert parse_action("<action>go</action>", fmt) == ("go", False)
+    assert parse_action("<think>t</think><action>go</action>", fmt) == ("go", True)
+
+
+def test_prompt_shows_last_k_history_and_budget():
+    fmt = AgentFormat(history_k=2)
+    hist = [("o0", "a0"), ("o1", "a1"), ("o2", "a2")]
+    p = render_prompt(fmt, "find the coin", hist, "o3", ["take coin", "look"], step=3, budget=47)
+    assert "o0" not in p and "a0" not in p
+    assert "[step 1] observation: o1\n  action: a1" in p and "[step 2] observation: o2" in p
+    assert "steps left: 47" in p and "[take coin, look]" in p and "find the coin" in p
+    assert "last" not in render_prompt(AgentFormat(history_k=0), "t", hist, "o", [], 3, 1)
+
+
+def test_trajectory_reward():
+    fmt = AgentFormat()
+    assert trajectory_reward(True, 0, fmt) == 10.0
+    assert trajectory_reward(True, 3, fmt) == pytest.approx(9.7)
+    assert trajectory_reward(False, 2, fmt) == pytest.approx(-0.2)
+
+
+def _needs_twx():
+    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is not installed")
+    if shutil.which("java") is None:
+        pytest.skip("TextWorld-Express needs Java")
+
+
+def _twx_task(game="coin"):
+    from salvage.envs.twx import TWXEnv
+
+    return TWXEnv.list_tasks("train", game=game, num_tasks=2)
+
+
+def test_malformed_actions_are_penalised_and_the_episode_goes_on(tiny):
+    _needs_twx()
+    model, tok = tiny
+    fmt = AgentFormat()
+    with EnvPool("twx") as pool:
+        runner = AgentRunner(pool, fmt, max_turns=4)
+        pol = LMPolicy(HFEngine(model, tok, max_new_tokens=12), tok, fmt)
+        eps = runner.run([Start(t, seed=0) for t in _twx_task()], pol, seed=1)
+    for e in eps:
+        assert e.error is None
+        # an untrained model writes no well-formed action: every turn is invalid, the
+        # episode still runs to the cap, and each invalid turn costs 0.1 training reward
+        assert len(e.turns) == 4 and e.n_invalid == 4
+        assert [t.depth for t in e.turns] == [0, 1, 2, 3]
+        assert [t.budget for t in e.turns] == [4, 3, 2, 1]
+        traj = runner.to_trajectory(e)
+        assert traj.reward == pytest.approx(-0.4) and traj.success is False
+        for t in e.turns:
+            assert len(t.logprobs) == len(t.response_ids) > 0 and t.prompt_ids
+
+
+def test_same_seed_same_trajectory(tiny):
+    _needs_twx()
+    model, tok = tiny
+    fmt = AgentFormat()
+
+    def play(seed):
+        with EnvPool("twx") as pool:
+            runner = AgentRunner(pool, fmt, max_turns=3)
+            pol = LMPolicy(HFEngine(model, tok, max_new_tokens=10), tok, fmt)
+            eps = runner.run([Start(t, seed=0) for t in _twx_task()], pol, seed=seed)
+        return [[(t.response_ids, t.action) for t in e.turns] + e.observations for e in eps]
+
+    assert play(5) == play(5)
+    assert play(5) != play(6)
+
+
+def test_oracle_wins_and_a_recorded_state_resumes_with_its_history():
+    _needs_twx()
+    fmt = AgentFormat()
+    tasks = _twx_task("twc")
+    with EnvPool("twx") as pool:
+        runner = AgentRunner(pool, fmt, max_turns=10)
+        eps = runner.run([Start(tasks[0], seed=0)], OraclePolicy(fmt), seed=0)
+        e = eps[0]
+        assert e.won and all(t.valid for t in e.turns)
+        # restart from depth 2 of that episode: verified restore, budget H - 2
+        state = e.state_at(2)
+        again = runner.run([Start(tasks[0], 0, state=state, history=e.history[:2])], OraclePolicy(fmt), seed=0)[0]
+        assert again.error is None and again.won
+        assert again.turns[0].depth == 2 and again.turns[0].budget == 8
+        assert again.actions == e.actions[2:]
+        assert e.history[1][1] in again.turns[0].prompt_text  # the visible history is shown
+        # a tampered state fails that episode at restore, it is never silently used
+        bad = dict(state, observation="something else", digest=None)
+        failed = runner.run([Start(tasks[0], 0, state=bad)], OraclePolicy(fmt), seed=0)[0]
+        assert failed.error and "does not reproduce" in failed.error and not failed.turns
+
+
+def _env():
+    env = dict(os.environ)
+    env.update(OMP_WAIT_POLICY="PASSIVE", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
+    _needs_twx()
+    run = tmp_path / "RUN"
+    base = [sys.executable, "-m", "salvage.cli"]
+    cfg = ["--config", str(ROOT / "configs/agent/twx_grpo.yaml"), "--trainer.default_root_dir", str(run),
+           "--trainer.enable_progress_bar", "false"]
+    proc = subprocess.run([*base, "fit", *cfg, "--trainer.max_steps", "2"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
+    steps = [r for r in rows if r.get("rollout/turns")]
+    assert len(steps) == 2 and float(steps[0]["rollout/turns"]) > 1
+    assert float(steps[0]["rollout/invalid_turn_frac"]) > 0 and steps[0]["env/errors"] == "0.0"
+    proc = subprocess.run([*base, "test", *cfg], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval/success/coin" in proc.stdout and "eval/success " in proc.stdout.replace("│", " ")
