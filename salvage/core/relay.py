@@ -1,0 +1,389 @@
+"""VH-GPO verified handoff search (SPEC §2), pure.
+
+No environment, model or Lightning here: the search is a generator that *asks* for work
+and is *told* the outcome, so the shell can run the requests of many groups and many
+candidates in one batched call, and tests can drive it with scripted outcomes and check
+the exact order of what it asks.
+
+    gen = relay_search(backbone, cfg, rng)
+    req = next(gen)                    # a TeacherRequest / StudentRequest / ReplayRequest
+    while True:
+        try: req = gen.send(outcomes)  # list[Outcome] (or a bool for a ReplayRequest)
+        except StopIteration as stop: result = stop.value; break
+
+Every knob is a ``RelayConfig`` field with SPEC's default. Rules SPEC marks "ours" are
+named where they are implemented:
+- ours: among equally short successful teacher attempts at one anchor, the lowest
+  attempt index wins;
+- ours: a discovery test uses ``min(discovery_rollouts, rollouts left in the budget)``;
+- ours: Random Verified Handoff with ``S \\ {j_early}`` empty discards the recovery;
+- ours: the pair walk stops where the backbone ends (no pair past its last action).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP_SELECT = ("first", "random")
+HANDOFF = ("earliest", "random", "none")
+ANCHOR_ORDER = ("schedule", "random")
+
+# seed streams: discovery and confirmation never share a seed
+_DISCOVERY_STREAM = 1_000_000
+_CONFIRM_STREAM = 2_000_000
+_TEACHER_STREAM = 3_000_000
+
+
+@dataclass
+class RelayConfig:
+    """VH-GPO search settings (SPEC §2.1-2.4). Defaults are SPEC's unless marked ours."""
+
+    max_groups: int = 2
+    """Zero-signal groups rescued per update."""
+    group_select: str = "first"
+    """Which zero-signal groups: ``first`` in batch order (ours, default) or ``random``."""
+    b_min: int = 5
+    """Minimum remaining budget b_t = H - t of a candidate state (ours: SPEC gives no value)."""
+    stride: int = 5
+    """Backtracking stride of the anchor schedule (ours: SPEC gives no value)."""
+    max_backtracks: int = 4
+    teacher_attempts: int = 2
+    """Teacher attempts per anchor (so <= 2 x 6 = 12 per group)."""
+    discovery_rollouts: int = 2
+    """Student continuations per tested handoff state."""
+    discovery_budget: int = 8
+    """Student discovery rollouts per recovery."""
+    confirm_rollouts: int = 4
+    """Fresh continuations from s_j*; at least one must succeed."""
+    handoff: str = "earliest"
+    """``earliest`` (VH-GPO), ``random`` (Random Verified Handoff), ``none`` (No Handoff)."""
+    anchor_order: str = "schedule"
+    """``schedule`` (VH-GPO) or ``random`` (Random Anchor Order: non-root permuted, root last)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, key: str, val: Any, why: str) -> None:
+            if not ok:
+                raise ValueError(f"relay.{key}={val!r} {why}")
+
+        need(self.max_groups >= 0, "max_groups", self.max_groups, "must be >= 0")
+        need(self.group_select in GROUP_SELECT, "group_select", self.group_select, f"must be one of {GROUP_SELECT}")
+        need(self.b_min >= 1, "b_min", self.b_min, "must be >= 1")
+        need(self.stride >= 1, "stride", self.stride, "must be >= 1")
+        need(self.max_backtracks >= 0, "max_backtracks", self.max_backtracks, "must be >= 0")
+        need(self.teacher_attempts >= 1, "teacher_attempts", self.teacher_attempts, "must be >= 1")
+        need(self.discovery_rollouts >= 1, "discovery_rollouts", self.discovery_rollouts, "must be >= 1")
+        need(self.discovery_budget >= 1, "discovery_budget", self.discovery_budget, "must be >= 1")
+        need(self.confirm_rollouts >= 1, "confirm_rollouts", self.confirm_rollouts, "must be >= 1")
+        need(self.handoff in HANDOFF, "handoff", self.handoff, f"must be one of {HANDOFF}")
+        need(self.anchor_order in ANCHOR_ORDER, "anchor_order", self.anchor_order, f"must be one of {ANCHOR_ORDER}")
+
+    def check_horizon(self, max_turns: int) -> None:
+        """Cross-field check against the episode cap H (fails before any compute)."""
+        if self.b_min > max_turns:
+            raise ValueError(f"relay.b_min={self.b_min} exceeds the episode cap H = data.max_turns = {max_turns}")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass
+class TeacherRequest:
+    """Run ``len(seeds)`` teacher attempts from anchor depth ``anchor`` of the backbone."""
+
+    anchor: int
+    seeds: list[int]
+
+
+@dataclass
+class StudentRequest:
+    """Run student continuations from state ``j`` of the kept teacher recovery."""
+
+    kind: str  # "discovery" | "confirm"
+    j: int
+    seeds: list[int]
+
+
+@dataclass
+class ReplayRequest:
+    """Replay prefix + bridge + resume from the initial state; the answer is won (bool)."""
+
+    anchor: int
+    j: int
+    resume: Outcome | None
+    """The kept confirmation continuation (None: no resume, e.g. No Handoff)."""
+
+
+@dataclass
+class Outcome:
+    """What one rollout did, as the shell reports it."""
+
+    success: bool
+    n_actions: int = 0
+    output_tokens: int = 0
+    seed: int = 0
+    restored: bool = True
+    """False when the start state failed to restore (the rollout never ran)."""
+    ref: Any = None
+    """Opaque handle of the shell (e.g. its episode), passed through untouched."""
+
+
+@dataclass
+class RelayResult:
+    """What the search found (``retained``) or why it discarded the group."""
+
+    retained: bool
+    reason: str = ""
+    anchor: int | None = None
+    anchors_tried: list[int] = field(default_factory=list)
+    recovery: Outcome | None = None
+    L: int = 0
+    j_star: int | None = None
+    j_early: int | None = None
+    discovery: dict[int, bool] = field(default_factory=dict)
+    """Tested index -> discovery success, in test order."""
+    resume: Outcome | None = None
+    teacher_attempts: int = 0
+    discovery_rollouts: int = 0
+    confirm_rollouts: int = 0
+    recovered: bool = False
+    teacher_tokens: int = 0
+    search_tokens: int = 0
+    confirm_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def eligible_depths(num_actions: int, terminal: bool, max_turns: int, b_min: int) -> list[int]:
+    """Recorded nonterminal states s_t of a failed trajectory with b_t = H - t >= b_min."""
+    last = num_actions - 1 if terminal else num_actions  # s_T is nonterminal only if not done
+    return [t for t in range(0, last + 1) if max_turns - t >= b_min]
+
+
+def select_backbone(
+    trajectories: Sequence[tuple[int, bool]], max_turns: int, b_min: int
+) -> tuple[int, list[int]] | None:
+    """(backbone index, its eligible depths): the deepest eligible candidate, ties -> lowest id.
+
+    ``trajectories`` lists (number of actions, ended in a terminal state) per failed
+    trajectory, in trajectory-id order. None when no trajectory is eligible or the
+    backbone has no t = 0 candidate.
+    """
+    best: tuple[int, list[int]] | None = None
+    for i, (n, terminal) in enumerate(trajectories):
+        d = eligible_depths(n, terminal, max_turns, b_min)
+        if d and (best is None or max(d) > max(best[1])):
+            best = (i, d)
+    if best is None or 0 not in best[1]:
+        return None
+    return best
+
+
+def anchor_schedule(depths: Sequence[int], stride: int, max_backtracks: int) -> list[int]:
+    """Deepest eligible depth, then up to ``max_backtracks`` jumps of >= ``stride``; root last."""
+    cands = sorted(set(depths))
+    if not cands:
+        return []
+    anchors = [cands[-1]]
+    for _ in range(max_backtracks):
+        below = [d for d in cands if d <= anchors[-1] - stride]
+        if not below:
+            break
+        anchors.append(below[-1])
+    if 0 not in anchors and 0 in cands:
+        anchors.append(0)
+    return anchors
+
+
+def random_anchor_order(anchors: Sequence[int], rng: random.Random) -> list[int]:
+    """Random Anchor Order ablation: permute the non-root anchors, the root stays last."""
+    non_root = [a for a in anchors if a != 0]
+    rng.shuffle(non_root)
+    return non_root + ([0] if 0 in anchors else [])
+
+
+def shortest_success(outcomes: Sequence[Outcome]) -> int | None:
+    """Index of the shortest successful attempt; ties -> lowest index (ours)."""
+    best = None
+    for i, o in enumerate(outcomes):
+        if o.restored and o.success and (best is None or o.n_actions < outcomes[best].n_actions):
+            best = i
+    return best
+
+
+def keep_resume(outcomes: Sequence[Outcome]) -> int | None:
+    """Kept resume: the successful one with fewest actions, ties by output tokens, then seed."""
+    ok = [i for i, o in enumerate(outcomes) if o.restored and o.success]
+    if not ok:
+        return None
+    return min(ok, key=lambda i: (outcomes[i].n_actions, outcomes[i].output_tokens, outcomes[i].seed))
+
+
+def first_divergence(bridge: Sequence[str], backbone_from_anchor: Sequence[str]) -> int | None:
+    """First index where the bridge's and the failed backbone's executable actions differ."""
+    for d, a in enumerate(bridge):
+        if d >= len(backbone_from_anchor):
+            return None  # ours: the backbone ended, nothing to compare against
+        if a != backbone_from_anchor[d]:
+            return d
+    return None
+
+
+def backward_jumps(L: int) -> list[int]:
+    """Discovery's backward indices L-1, L-2, L-4, ... clamped at 0, without repeats."""
+    out: list[int] = []
+    k = 0
+    while True:
+        j = max(0, L - 2**k)
+        if j not in out:
+            out.append(j)
+        if j == 0:
+            return out
+        k += 1
+
+
+# --------------------------------------------------------------------------- search
+
+Search = Generator[Any, Any, RelayResult]
+
+
+def discovery(L: int, cfg: RelayConfig, seeds: list[int]) -> Generator[StudentRequest, list[Outcome], dict[int, bool]]:
+    """SPEC §2.2 discovery + refinement. Yields student requests; returns {j: success}."""
+    budget = cfg.discovery_budget
+    tested: dict[int, bool] = {}
+
+    def test(j: int):  # noqa: ANN202 - a sub-generator
+        nonlocal budget
+        n = min(cfg.discovery_rollouts, budget)  # ours: the last test may get fewer
+        batch = [seeds.pop(0) for _ in range(n)]
+        outs = yield StudentRequest("discovery", j, batch)
+        budget -= n
+        tested[j] = any(o.restored and o.success for o in outs)
+        return tested[j]
+
+    failed_at = None
+    for j in backward_jumps(L):
+        if budget <= 0:
+            return tested
+        ok = yield from test(j)
+        if not ok:
+            failed_at = j
+            break
+    if failed_at is None:
+        return tested
+    successes = [j for j, s in tested.items() if s]
+    upper = min(successes) if successes else L
+    for j in range(failed_at + 1, upper):
+        if budget <= 0:
+            break
+        if (yield from test(j)):
+            break
+    return tested
+
+
+def relay_search(
+    backbone_actions: Sequence[str],
+    anchors: Sequence[int],
+    cfg: RelayConfig,
+    rng: random.Random,
+    seed: int = 0,
+) -> Search:
+    """The full search for one selected group, from its anchor list to a retained relay.
+
+    ``backbone_actions``: the failed backbone's executed actions (for the pair walk).
+    ``anchors``: the schedule (``anchor_schedule``; permuted for Random Anchor Order).
+    """
+    res = RelayResult(retained=False, anchors_tried=[])
+    teacher_seed = seed + _TEACHER_STREAM
+    # -- teacher recovery, anchor by anchor
+    for a in anchors:
+        seeds = [teacher_seed + k for k in range(cfg.teacher_attempts)]
+        teacher_seed += cfg.teacher_attempts
+        outs = yield TeacherRequest(a, seeds)
+        res.anchors_tried.append(a)
+        res.teacher_attempts += sum(o.restored for o in outs)
+        res.teacher_tokens += sum(o.output_tokens for o in outs)
+        best = shortest_success(outs)
+        if best is not None:
+            res.anchor, res.recovery, res.L = a, outs[best], outs[best].n_actions
+            break
+    if res.recovery is None:
+        res.reason = "no teacher recovery from any anchor"
+        return res
+    res.recovered = True
+    L = res.L
+    if L < 1:
+        res.reason = "teacher recovery has no actions"
+        return res
+
+    if cfg.handoff == "none":  # No Handoff ablation: the whole recovery is the bridge
+        res.j_star = L
+        won = yield ReplayRequest(res.anchor, L, None)
+        res.retained, res.reason = bool(won), "" if won else "replay failed"
+        return res
+
+    # -- discovery (student continuations from recovery states)
+    dseeds = [seed + _DISCOVERY_STREAM + k for k in range(cfg.discovery_budget)]
+    gen = discovery(L, cfg, dseeds)
+    tested: dict[int, bool]
+    try:
+        req = next(gen)
+        while True:
+            outs = yield req
+            res.discovery_rollouts += len(req.seeds)
+            res.search_tokens += sum(o.output_tokens for o in outs)
+            req = gen.send(outs)
+    except StopIteration as stop:
+        tested = stop.value
+    res.discovery = tested
+    S = sorted(j for j, ok in tested.items() if ok)
+    if not S:
+        res.reason = "no discovery success"
+        return res
+    res.j_early = S[0]
+    if cfg.handoff == "random":
+        others = S[1:]
+        if not others:
+            res.reason = "random handoff: no discovery success besides j_early"
+            return res
+        j_star = rng.choice(others)
+    else:
+        j_star = S[0]
+    assert j_star < L  # SPEC: control returns before the teacher completes the task
+    res.j_star = j_star
+
+    # -- confirmation with fresh seeds
+    cseeds = [seed + _CONFIRM_STREAM + k for k in range(cfg.confirm_rollouts)]
+    outs = yield StudentRequest("confirm", j_star, cseeds)
+    res.confirm_rollouts += len(cseeds)
+    res.confirm_tokens += sum(o.output_tokens for o in outs)
+    k = keep_resume(outs)
+    if k is None:
+        res.reason = "confirmation failed"
+        return res
+    res.resume = outs[k]
+
+    # -- full replay from the initial state
+    won = yield ReplayRequest(res.anchor, j_star, res.resume)
+    if not won:
+        res.reason = "replay failed"
+        return res
+    res.retained = True
+    return res
+
+
+def pair_index(bridge_actions: Sequence[str], backbone_actions: Sequence[str], anchor: int) -> int | None:
+    """Index into the bridge of the action-preference pair (first divergence), if any."""
+    return first_divergence(bridge_actions, list(backbone_actions[anchor:]))
+
+
+def select_groups(zero_signal: Sequence[int], cfg: RelayConfig, rng: random.Random) -> list[int]:
+    """Which zero-signal groups to rescue this update (at most ``max_groups``)."""
+    if cfg.group_select == "random":
+        picked = list(zero_signal)
+        rng.shuffle(picked)
+        return sorted(picked[: cfg.max_groups])
+    return list(zero_signal)[: cfg.max_groups]
