@@ -197,3 +197,26 @@ class TokenBatch:
     """Per-token loss weight, aligned like ``response_mask``."""
     seq_index: torch.Tensor
     """Row -> trajectory index in the batch (for sequence-level aggregation)."""
+
+
+@dataclass
+class SeqTarget:
+    """A prompt and a target response in the student's tokens, for likelihood objectives."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    mask: list[int] | None = None
+    """1 on the response tokens that count (e.g. the executable action); None: all."""
+
+
+@dataclass
+class RelayData:
+    """Training data of one retained VH-GPO relay (SPEC §2.3), attached to a rollout batch."""
+
+    bridge: list[SeqTarget]
+    """Teacher bridge turns: student-visible prompt, teacher's complete response."""
+    resume: list[SeqTarget]
+    """The kept, independently confirmed student resume turns."""
+    pair: tuple[SeqTarget, SeqTarget] | None = None
+    """(chosen = teacher, rejected = failed student) at the first divergence, masked to actions."""
+    record: dict[str, Any] = field(default_factory=dict)

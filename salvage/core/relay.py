@@ -104,6 +104,8 @@ class StudentRequest:
     kind: str  # "discovery" | "confirm"
     j: int
     seeds: list[int]
+    recovery: Outcome | None = None
+    """The kept teacher recovery whose state j the continuations start from."""
 
 
 @dataclass
@@ -114,6 +116,7 @@ class ReplayRequest:
     j: int
     resume: Outcome | None
     """The kept confirmation continuation (None: no resume, e.g. No Handoff)."""
+    recovery: Outcome | None = None
 
 
 @dataclass
@@ -250,7 +253,9 @@ def backward_jumps(L: int) -> list[int]:
 Search = Generator[Any, Any, RelayResult]
 
 
-def discovery(L: int, cfg: RelayConfig, seeds: list[int]) -> Generator[StudentRequest, list[Outcome], dict[int, bool]]:
+def discovery(
+    L: int, cfg: RelayConfig, seeds: list[int], recovery: Outcome | None = None
+) -> Generator[StudentRequest, list[Outcome], dict[int, bool]]:
     """SPEC §2.2 discovery + refinement. Yields student requests; returns {j: success}."""
     budget = cfg.discovery_budget
     tested: dict[int, bool] = {}
@@ -259,7 +264,7 @@ def discovery(L: int, cfg: RelayConfig, seeds: list[int]) -> Generator[StudentRe
         nonlocal budget
         n = min(cfg.discovery_rollouts, budget)  # ours: the last test may get fewer
         batch = [seeds.pop(0) for _ in range(n)]
-        outs = yield StudentRequest("discovery", j, batch)
+        outs = yield StudentRequest("discovery", j, batch, recovery)
         budget -= n
         tested[j] = any(o.restored and o.success for o in outs)
         return tested[j]
@@ -321,13 +326,13 @@ def relay_search(
 
     if cfg.handoff == "none":  # No Handoff ablation: the whole recovery is the bridge
         res.j_star = L
-        won = yield ReplayRequest(res.anchor, L, None)
+        won = yield ReplayRequest(res.anchor, L, None, res.recovery)
         res.retained, res.reason = bool(won), "" if won else "replay failed"
         return res
 
     # -- discovery (student continuations from recovery states)
     dseeds = [seed + _DISCOVERY_STREAM + k for k in range(cfg.discovery_budget)]
-    gen = discovery(L, cfg, dseeds)
+    gen = discovery(L, cfg, dseeds, res.recovery)
     tested: dict[int, bool]
     try:
         req = next(gen)
@@ -357,7 +362,7 @@ def relay_search(
 
     # -- confirmation with fresh seeds
     cseeds = [seed + _CONFIRM_STREAM + k for k in range(cfg.confirm_rollouts)]
-    outs = yield StudentRequest("confirm", j_star, cseeds)
+    outs = yield StudentRequest("confirm", j_star, cseeds, res.recovery)
     res.confirm_rollouts += len(cseeds)
     res.confirm_tokens += sum(o.output_tokens for o in outs)
     k = keep_resume(outs)
@@ -367,7 +372,7 @@ def relay_search(
     res.resume = outs[k]
 
     # -- full replay from the initial state
-    won = yield ReplayRequest(res.anchor, j_star, res.resume)
+    won = yield ReplayRequest(res.anchor, j_star, res.resume, res.recovery)
     if not won:
         res.reason = "replay failed"
         return res

@@ -157,6 +157,9 @@ class AgentDataModule(RolloutDataModule):
         return build_engine(replace(self.engine_cfg, temperature=self.val_temperature), module.policy,
                             module.tokenizer)
 
+    def assign_group_advantages(self, group: Group) -> None:
+        assign_advantages(group, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)
+
     def rollout(self, tasks: list[dict[str, Any]], n: int, seed: int, policy: Any,
                 advantages: bool = True) -> RolloutBatch:
         t0 = time.perf_counter()
@@ -178,7 +181,7 @@ class AgentDataModule(RolloutDataModule):
             g = Group(task_id=task["id"], trajectories=trajs, task=task)
             g.info["failed_episodes"] = n - len(trajs)
             if advantages and len(trajs) > 1:
-                assign_advantages(g, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)
+                self.assign_group_advantages(g)
             groups.append(g)
         gen_tokens = sum(t.num_response_tokens for g in groups for t in g.trajectories)
         errors = self.pool.errors - errors_before

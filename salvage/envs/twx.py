@@ -33,7 +33,7 @@ class TWXEnv(ReplayEnv):
         self._env: Any = None
         self._loaded: tuple[str, str] | None = None
         self._gold: list[str] = []
-        self._on_gold = True
+        self._gold_pos = 0
         self._task_desc = ""
 
     def _server(self) -> Any:
@@ -70,12 +70,13 @@ class TWXEnv(ReplayEnv):
         # TWX draws a game per (seed, fold): the task's game_seed must be valid for its fold
         obs, raw = env.reset(seed=int(task["game_seed"]), gameFold=task.get("fold", "train"), generateGoldPath=True)
         self._gold = list(env.getGoldActionSequence())
-        self._on_gold = True
+        self._gold_pos = 0
         self._task_desc = raw.get("taskDescription", "")
-        return obs, self._info_from(raw, depth=0)
+        return obs, self._info_from(raw)
 
-    def _info_from(self, raw: dict[str, Any], depth: int) -> dict[str, Any]:
-        oracle = self._gold[depth] if self._on_gold and depth < len(self._gold) else None
+    def _info_from(self, raw: dict[str, Any]) -> dict[str, Any]:
+        nxt = self._gold[self._gold_pos] if self._gold_pos < len(self._gold) else None
+        oracle = nxt if nxt is not None and nxt in raw.get("validActions", []) else None
         return {
             "won": bool(raw.get("tasksuccess", False)),
             "lost": bool(raw.get("taskfailure", False)),
@@ -86,11 +87,10 @@ class TWXEnv(ReplayEnv):
         }
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        depth = self.depth
-        if self._on_gold and (depth >= len(self._gold) or action != self._gold[depth]):
-            self._on_gold = False
+        if self._gold_pos < len(self._gold) and action == self._gold[self._gold_pos]:
+            self._gold_pos += 1
         obs, reward, done, raw = self._env.step(action)
-        info = self._info_from(raw, depth + 1)
+        info = self._info_from(raw)
         return obs, reward, bool(done or info["won"] or info["lost"]), info
 
     def close(self) -> None:

@@ -69,6 +69,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 class GRPOModule(L.LightningModule):
+    METRICS: tuple[str, ...] = TRAIN_METRICS
+
     """GRPO / Dr. GRPO / RLOO policy update with asymmetric clipping and optional k3 KL.
 
     Args:
@@ -128,7 +130,7 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = load_tokenizer(self.spec)
         self.policy: torch.nn.Module | None = None
         self._ref: list[torch.nn.Module] = []  # a list keeps it out of state_dict / parameters
-        self.step_metrics = StepMetrics(TRAIN_METRICS, sums=("train/skipped_updates", "env/errors"))
+        self.step_metrics = StepMetrics(self.METRICS, sums=("train/skipped_updates", "env/errors"))
         self._nonfinite_in_a_row = 0
         self.skipped_updates = 0
 
@@ -136,10 +138,19 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is None:
             self.policy = load_model(self.spec, self.tokenizer)
-        if self.hparams.kl_coef > 0 and not self._ref:
+        if self.needs_reference() and not self._ref:
             ref = load_model(self.spec, self.tokenizer)
             ref.eval().requires_grad_(False)
             self._ref.append(ref)
+
+    def needs_reference(self) -> bool:
+        """A frozen reference only when something uses it (eta = 0 skips loading it)."""
+        return self.hparams.kl_coef > 0
+
+    def reset_reference(self) -> None:
+        """Make the reference the current policy (e.g. after an SFT warm start)."""
+        if self._ref:
+            self._ref[0].load_state_dict(self.policy.state_dict())
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -219,18 +230,21 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         self.log_rollout(batch)
         rows, per_traj = self.rows_from_batch(batch)
-        if not rows:
+        has_aux = self.has_aux(batch)
+        if not rows and not has_aux:
             log.warning("step %d: rollout batch has no trainable tokens; update skipped", self.global_step)
             self._finish_update()
             return
-        ref_lp = self._ref_logprobs(rows, batch.temperature) if hp.kl_coef > 0 else None
-        minibatches = self._minibatches(per_traj)
+        ref_lp = self._ref_logprobs(rows, batch.temperature) if hp.kl_coef > 0 and rows else None
+        minibatches = self._minibatches(per_traj) or [[]]
         opt = self.optimizers()
         t0 = time.perf_counter()
         tokens = 0
         for k, mb in enumerate(minibatches):
             last = k == len(minibatches) - 1
-            ok = self._update_minibatch([rows[i] for i in mb], mb, ref_lp, batch.temperature)
+            # auxiliary objectives (VH-GPO) join the update once, in its last minibatch (ours)
+            extra = (lambda: self.aux_backward(batch)) if last and has_aux else None
+            ok = self._update_minibatch([rows[i] for i in mb], mb, ref_lp, batch.temperature, extra)
             tokens += sum(len(rows[i].old_logprobs) for i in mb)
             if ok:
                 self._optimizer_step(opt, last)
@@ -242,6 +256,14 @@ class GRPOModule(L.LightningModule):
         dt = time.perf_counter() - t0
         self.step_metrics.update("perf/update_tokens_per_s", tokens / max(dt, 1e-9))
         self._finish_update()
+
+    def has_aux(self, batch: RolloutBatch) -> bool:
+        """Whether the batch carries auxiliary training data (subclasses)."""
+        return False
+
+    def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Backpropagate auxiliary losses; return their (detached) total, or None."""
+        return None
 
     def _minibatches(self, per_traj: list[list[int]]) -> list[list[int]]:
         order = list(range(len(per_traj)))
@@ -265,14 +287,19 @@ class GRPOModule(L.LightningModule):
         return out
 
     def _update_minibatch(
-        self, rows: list[_Row], row_ids: list[int], ref_lp: list[torch.Tensor] | None, temperature: float
+        self,
+        rows: list[_Row],
+        row_ids: list[int],
+        ref_lp: list[torch.Tensor] | None,
+        temperature: float,
+        extra: Any = None,
     ) -> bool:
         """Accumulate gradients of one minibatch; False if non-finite (gradients dropped)."""
         hp = self.hparams
         # normalisation weights over the whole minibatch, then split into micro-batches
         lengths = torch.tensor([len(r.old_logprobs) for r in rows], dtype=torch.float32)
-        seq = torch.tensor([r.seq for r in rows])
-        agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg)
+        seq = torch.tensor([r.seq for r in rows], dtype=torch.long)
+        agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg) if rows else None
         per_row_w = [agg[i, : int(lengths[i])] for i in range(len(rows))]
         stats = {"policy": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
         mbs = hp.micro_batch_size
@@ -305,6 +332,9 @@ class GRPOModule(L.LightningModule):
             stats["policy"] += float(pol.detach())
             stats["clip"] += float((aw * clipped).sum().detach())
             stats["ratio"] += float((aw * ratio).sum().detach())
+        if finite and extra is not None:
+            aux = extra()
+            finite = aux is None or bool(torch.isfinite(aux))
         grad_norm = self._clip_and_norm()
         if not finite or not math.isfinite(grad_norm):
             self.optimizers().zero_grad(set_to_none=True)
@@ -324,13 +354,15 @@ class GRPOModule(L.LightningModule):
             return False
         self._nonfinite_in_a_row = 0
         n_tok = float(lengths.sum())
+        self.step_metrics.update("train/grad_norm", grad_norm)
+        if not rows:
+            return True
         self.step_metrics.update("loss/policy", stats["policy"], n_tok)
         self.step_metrics.update("loss/clip_frac", stats["clip"], n_tok)
         self.step_metrics.update("loss/ratio_mean", stats["ratio"], n_tok)
         if ref_lp is not None:
             self.step_metrics.update("loss/kl", stats["kl"], n_tok)
         self.step_metrics.update("loss/total", stats["policy"] + hp.kl_coef * stats["kl"], n_tok)
-        self.step_metrics.update("train/grad_norm", grad_norm)
         return True
 
     def _clip_and_norm(self) -> float:

@@ -108,6 +108,8 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     won: bool = False
     done: bool = False
+    terminal: bool = False
+    """The environment ended the episode (won or lost), as opposed to the cap H."""
     error: str | None = None
     start_depth: int = 0
 
@@ -182,11 +184,38 @@ class AgentRunner:
                 e.observations.append(res.value.observation)
                 e.info = res.value.info
                 e.won = bool(res.value.info.get("won", False))
-                if res.value.done or e.won or e.depth >= self.max_turns:
+                if res.value.done or e.won:
+                    e.done = e.terminal = True
+                elif e.depth >= self.max_turns:
                     e.done = True
             turn += 1
         self.pool.release([e.eid for e in eps])
         return eps
+
+    def replay(self, items: Sequence[tuple[dict[str, Any], int, Sequence[str]]]) -> list[bool]:
+        """Replay action lists from the initial state (lockstep); True where it ends won."""
+        eids = [next(self._eids) for _ in items]
+        won = [False] * len(items)
+        alive = [r.ok for r in self.pool.reset([(e, t, s) for e, (t, s, _) in zip(eids, items, strict=True)])]
+        longest = max((len(a) for _, _, a in items), default=0)
+        for k in range(longest):
+            idx = [i for i, (_, _, a) in enumerate(items) if alive[i] and k < len(a)]
+            if not idx:
+                break
+            results = self.pool.step([(eids[i], items[i][2][k]) for i in idx])
+            self.env_steps += len(idx)
+            for i, res in zip(idx, results, strict=True):
+                if not res.ok:
+                    alive[i] = False
+                    continue
+                last = k == len(items[i][2]) - 1
+                if res.value.done and not last:
+                    alive[i] = False  # ended before the whole relay was replayed
+                won[i] = last and bool(res.value.info.get("won", False))
+        for i, (_, _, a) in enumerate(items):
+            won[i] = won[i] and alive[i] and len(a) > 0
+        self.pool.release(eids)
+        return won
 
     def _begin(self, eps: list[Episode]) -> None:
         fresh = [e for e in eps if e.start.state is None]

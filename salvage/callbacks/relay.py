@@ -1,0 +1,421 @@
+"""VH-GPO rescue stage: environment-state callbacks between rollout and update.
+
+Swap these in ``trainer.callbacks`` to run the method or an ablation (SPEC §2.4):
+
+- ``VerifiedHandoff``        the full method;
+- ``RandomVerifiedHandoff``  handoff sampled from S \\ {j_early};
+- ``RandomAnchorOrder``      non-root anchors permuted, root last;
+- ``NoHandoff``              the whole teacher recovery is the bridge, no resume;
+- ``ExtraStudentRollouts``   budget-matched: 4 extra student rollouts per selected group,
+                             trained with plain GRPO (no teacher, no relay).
+
+Each runs in ``on_train_batch_start``: it restores recorded states, drives the pure search
+of ``salvage.core.relay`` with batched teacher / student rollouts (all requests of all
+selected groups at one search stage go to the engine together), and attaches the
+retained relays to ``batch.extras["relays"]`` for ``VHGPOModule``. It reports SPEC §2.5's
+accounting each step and cumulatively, and appends one record per searched group to
+``relays.jsonl`` in the run directory.
+
+Rollout seeds identify rollouts (discovery and confirmation streams never share one);
+the batched engine draws all rows of one call from one seeded stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from salvage.core.agent import parse_action
+from salvage.core.relay import (
+    Outcome,
+    RelayConfig,
+    RelayResult,
+    ReplayRequest,
+    StudentRequest,
+    TeacherRequest,
+    anchor_schedule,
+    pair_index,
+    random_anchor_order,
+    relay_search,
+    select_backbone,
+    select_groups,
+)
+from salvage.datamodules.common import step_seed
+from salvage.models import PolicySpec, load_policy
+from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
+from salvage.rollout.config import EngineConfig, build_engine
+from salvage.types import Group, RelayData, RolloutBatch, SeqTarget, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TeacherSpec:
+    """The frozen teacher: an environment oracle, or an LM of any size / tokenizer."""
+
+    kind: str = "oracle"
+    """``oracle`` (gold path / handcoded expert) or ``lm``."""
+    policy: PolicySpec | None = None
+    """``lm`` only: which model."""
+    engine: EngineConfig | None = None
+    """``lm`` only: its sampling settings (default: the student's)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("oracle", "lm"):
+            raise ValueError(f"teacher.kind must be 'oracle' or 'lm', got {self.kind!r}")
+        if self.kind == "lm" and self.policy is None:
+            raise ValueError("teacher.kind='lm' needs teacher.policy (e.g. name_or_path: Qwen/Qwen2.5-1.5B-Instruct)")
+
+
+class _Accounting:
+    """SPEC §2.5 counters, per step and cumulative (saved in checkpoints)."""
+
+    KEYS = ("zero_signal_groups", "selected", "teacher_attempts", "recoveries", "retained", "extra_tokens_teacher",
+            "extra_tokens_search", "extra_tokens_confirm", "extra_tokens_student", "root_tokens", "sum_j", "sum_L",
+            "relays")
+
+    def __init__(self) -> None:
+        self.total = dict.fromkeys(self.KEYS, 0.0)
+
+    def metrics(self, step: dict[str, float], fracs: list[float]) -> dict[str, float]:
+        for k in self.KEYS:
+            self.total[k] += step.get(k, 0.0)
+        t = self.total
+        extra = t["extra_tokens_teacher"] + t["extra_tokens_search"] + t["extra_tokens_confirm"] + t["extra_tokens_student"]
+        out = {f"relay/{k}": step.get(k, 0.0) for k in ("zero_signal_groups", "selected", "teacher_attempts",
+                                                         "recoveries", "retained")}
+        out.update({f"relay/{k}_cum": t[k] for k in ("zero_signal_groups", "selected", "teacher_attempts",
+                                                     "recoveries", "retained")})
+        for k in ("teacher", "search", "confirm", "student"):
+            out[f"cost/extra_tokens_{k}"] = t[f"extra_tokens_{k}"]
+        out["cost/extra_token_ratio"] = extra / t["root_tokens"] if t["root_tokens"] else 0.0
+        if fracs:
+            out["relay/teacher_frac"] = sum(fracs) / len(fracs)
+        if t["sum_L"]:
+            out["relay/pooled_reduction"] = 1.0 - t["sum_j"] / t["sum_L"]
+        return out
+
+
+class RescueCallback(L.Callback):
+    """Shared shell of the rescue stages: selection, accounting, logging, records."""
+
+    def __init__(self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True) -> None:
+        self.cfg = relay or RelayConfig()
+        self.seed = seed
+        self.records = records
+        self.acc = _Accounting()
+        self._records_path: Path | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from salvage.datamodules.agent import AgentDataModule
+
+        dm = trainer.datamodule
+        if not isinstance(dm, AgentDataModule):
+            raise TypeError(f"{type(self).__name__} needs an AgentDataModule (restorable env states), "
+                            f"got {type(dm).__name__}")
+        self.cfg.check_horizon(dm.max_turns)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": dict(self.acc.total)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.acc.total.update(state_dict["total"])
+
+    def _rng(self, trainer: L.Trainer) -> random.Random:
+        return random.Random(step_seed(self.seed, trainer.global_step, 7))
+
+    def _write(self, trainer: L.Trainer, rec: dict[str, Any]) -> None:
+        if not self.records or trainer.global_rank != 0:
+            return
+        if self._records_path is None:
+            root = trainer.log_dir or trainer.default_root_dir
+            self._records_path = Path(root) / "relays.jsonl"
+            self._records_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._records_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _log(self, pl_module: L.LightningModule, step: dict[str, float], fracs: list[float]) -> None:
+        values = self.acc.metrics(step, fracs)
+        pl_module.log_dict(values, on_step=True, on_epoch=False)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not isinstance(batch, RolloutBatch):
+            return
+        zero = [i for i, g in enumerate(batch.groups) if g.zero_signal]
+        selected = select_groups(zero, self.cfg, self._rng(trainer))
+        step = {"zero_signal_groups": float(len(zero)), "selected": float(len(selected)),
+                "root_tokens": float(batch.num_response_tokens())}
+        fracs = self.rescue(trainer, pl_module, batch, selected, step)
+        self._log(pl_module, step, fracs)
+
+    def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
+               selected: list[int], step: dict[str, float]) -> list[float]:
+        raise NotImplementedError
+
+
+def _outcome(e: Episode, seed: int) -> Outcome:
+    return Outcome(success=e.won, n_actions=len(e.actions), output_tokens=sum(len(t.response_ids) for t in e.turns),
+                   seed=seed, restored=bool(e.observations), ref=e)
+
+
+@dataclass
+class _Search:
+    gi: int
+    group: Group
+    backbone: Episode
+    gen: Any
+    req: Any = None
+    result: RelayResult | None = None
+
+
+class VerifiedHandoff(RescueCallback):
+    """Full VH-GPO: teacher recovery, earliest confirmed handoff, verified relay (SPEC §2).
+
+    Args:
+        relay: search settings (every knob of SPEC §2 with its default).
+        teacher: the frozen teacher (oracle by default).
+        seed: seed of the search's random streams (group selection, random ablations).
+        records: write ``relays.jsonl`` in the run directory.
+    """
+
+    handoff: str | None = None
+    anchor_order: str | None = None
+
+    def __init__(self, relay: RelayConfig | None = None, teacher: TeacherSpec | None = None, seed: int = 0,
+                 records: bool = True) -> None:
+        super().__init__(relay, seed, records)
+        if self.handoff is not None:
+            self.cfg = replace(self.cfg, handoff=self.handoff)
+        if self.anchor_order is not None:
+            self.cfg = replace(self.cfg, anchor_order=self.anchor_order)
+        self.teacher_spec = teacher or TeacherSpec()
+        self._teacher: Any = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        dm = trainer.datamodule
+        if self.teacher_spec.kind == "oracle":
+            self._teacher = OraclePolicy(dm.fmt)
+        elif self._teacher is None:
+            model, tok = load_policy(self.teacher_spec.policy)
+            model.eval().requires_grad_(False).to(pl_module.device)
+            engine = build_engine(self.teacher_spec.engine or dm.engine_cfg, model, tok)
+            self._teacher = LMPolicy(engine, tok, dm.fmt, dm.max_prompt_tokens)
+
+    # -- search driver ---------------------------------------------------------------
+    def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
+               selected: list[int], step: dict[str, float]) -> list[float]:
+        dm = trainer.datamodule
+        rng = self._rng(trainer)
+        H = dm.max_turns
+        searches: list[_Search] = []
+        for gi in selected:
+            g = batch.groups[gi]
+            eps: list[Episode] = [t.info["episode"] for t in g.trajectories]
+            bb = select_backbone([(len(e.actions), e.terminal) for e in eps], H, self.cfg.b_min)
+            if bb is None:
+                self._write(trainer, {"step": trainer.global_step, "task": g.task_id, "retained": False,
+                                      "reason": "no eligible backbone with a t=0 candidate"})
+                continue
+            idx, depths = bb
+            anchors = anchor_schedule(depths, self.cfg.stride, self.cfg.max_backtracks)
+            if self.cfg.anchor_order == "random":
+                anchors = random_anchor_order(anchors, rng)
+            gen = relay_search(eps[idx].actions, anchors, self.cfg, rng,
+                               seed=step_seed(self.seed, trainer.global_step, 11) + 10_007 * gi)
+            s = _Search(gi, g, eps[idx], gen)
+            s.req = next(gen)
+            searches.append(s)
+        student = dm.student()
+        base_seed = step_seed(self.seed, trainer.global_step, 13)
+        round_ = 0
+        while any(s.result is None for s in searches):
+            live = [s for s in searches if s.result is None]
+            answers: dict[int, Any] = {}
+            self._run_teacher([s for s in live if isinstance(s.req, TeacherRequest)], dm, answers, base_seed + round_)
+            self._run_student([s for s in live if isinstance(s.req, StudentRequest)], dm, student, answers,
+                              base_seed + round_)
+            self._run_replay([s for s in live if isinstance(s.req, ReplayRequest)], dm, answers)
+            for s in live:
+                try:
+                    s.req = s.gen.send(answers[id(s)])
+                except StopIteration as stop:
+                    s.result = stop.value
+            round_ += 1
+        relays: list[RelayData] = batch.extras.setdefault("relays", [])
+        fracs = []
+        for s in searches:
+            r = s.result
+            step["teacher_attempts"] = step.get("teacher_attempts", 0.0) + r.teacher_attempts
+            step["recoveries"] = step.get("recoveries", 0.0) + float(r.recovered)
+            step["extra_tokens_teacher"] = step.get("extra_tokens_teacher", 0.0) + r.teacher_tokens
+            step["extra_tokens_search"] = step.get("extra_tokens_search", 0.0) + r.search_tokens
+            step["extra_tokens_confirm"] = step.get("extra_tokens_confirm", 0.0) + r.confirm_tokens
+            rec = self._record(trainer, s)
+            if r.retained:
+                relays.append(self._relay(s, student, dm.fmt, rec))
+                step["retained"] = step.get("retained", 0.0) + 1
+                step["sum_j"] = step.get("sum_j", 0.0) + r.j_star
+                step["sum_L"] = step.get("sum_L", 0.0) + r.L
+                fracs.append(r.j_star / r.L)
+            self._write(trainer, rec)
+        return fracs
+
+    def _run_teacher(self, live: list[_Search], dm: Any, answers: dict[int, Any], seed: int) -> None:
+        if not live:
+            return
+        starts, owners = [], []
+        for s in live:
+            a = s.req.anchor
+            state = s.backbone.state_at(a)
+            for sd in s.req.seeds:
+                starts.append(Start(s.group.task, s.backbone.start.seed, state=state, history=s.backbone.history[:a]))
+                owners.append((s, sd))
+        eps = dm.runner.run(starts, self._teacher, seed=seed, train=False)
+        for s in live:
+            answers[id(s)] = [_outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s]
+
+    def _run_student(self, live: list[_Search], dm: Any, student: LMPolicy, answers: dict[int, Any],
+                     seed: int) -> None:
+        if not live:
+            return
+        starts, owners = [], []
+        for s in live:
+            rec: Episode = s.req.recovery.ref
+            depth = rec.start_depth + s.req.j
+            state = rec.state_at(depth)
+            hist = rec.history[: len(rec.start.history) + s.req.j]
+            for sd in s.req.seeds:
+                starts.append(Start(s.group.task, s.backbone.start.seed, state=state, history=hist))
+                owners.append((s, sd))
+        eps = dm.runner.run(starts, student, seed=seed + 1, train=True)
+        for s in live:
+            answers[id(s)] = [_outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s]
+
+    def _run_replay(self, live: list[_Search], dm: Any, answers: dict[int, Any]) -> None:
+        if not live:
+            return
+        items = []
+        for s in live:
+            rec: Episode = s.req.recovery.ref
+            resume = s.req.resume.ref.actions if s.req.resume is not None else []
+            acts = s.backbone.actions[: s.req.anchor] + rec.actions[: s.req.j] + list(resume)
+            items.append((s.group.task, s.backbone.start.seed, acts))
+        for s, won in zip(live, dm.runner.replay(items), strict=True):
+            answers[id(s)] = won
+
+    # -- relay assembly ----------------------------------------------------------------
+    def _relay(self, s: _Search, student: LMPolicy, fmt: Any, rec: dict[str, Any]) -> RelayData:
+        r = s.result
+        recovery: Episode = r.recovery.ref
+        tok = student.tokenizer
+        bridge = []
+        for turn in recovery.turns[: r.j_star]:
+            bridge.append(SeqTarget(student.encode(turn.prompt_text),
+                                    list(tok(turn.response_text, add_special_tokens=False)["input_ids"])))
+        resume = []
+        if r.resume is not None:
+            resume = [SeqTarget(list(t.prompt_ids), list(t.response_ids)) for t in r.resume.ref.turns if t.response_ids]
+        pair = None
+        d = pair_index(recovery.actions[: r.j_star], s.backbone.actions, r.anchor)
+        if d is not None:
+            failed_turn = s.backbone.turns[r.anchor + d]
+            h = list(failed_turn.prompt_ids) or student.encode(failed_turn.prompt_text)
+            pair = (_action_target(h, recovery.turns[d].response_text, tok, fmt),
+                    _action_target(h, failed_turn.response_text, tok, fmt))
+            rec["pair_depth"] = r.anchor + d
+        return RelayData(bridge=bridge, resume=resume, pair=pair, record=rec)
+
+    def _record(self, trainer: L.Trainer, s: _Search) -> dict[str, Any]:
+        r = s.result
+        R = r.resume.n_actions if r.resume is not None else 0
+        return {
+            "step": trainer.global_step, "task": s.group.task_id, "family": s.group.task.get("family"),
+            "retained": r.retained, "reason": r.reason, "anchors": r.anchors_tried, "anchor": r.anchor,
+            "L": r.L, "j_star": r.j_star, "j_early": r.j_early, "R": R,
+            "teacher_frac": (r.j_star / r.L) if r.retained and r.L else None,
+            "discovery": {str(k): v for k, v in r.discovery.items()},
+            "teacher_attempts": r.teacher_attempts, "discovery_rollouts": r.discovery_rollouts,
+            "confirm_rollouts": r.confirm_rollouts, "tokens": {"teacher": r.teacher_tokens,
+                                                               "search": r.search_tokens,
+                                                               "confirm": r.confirm_tokens},
+        }
+
+
+def _action_target(prompt_ids: list[int], response: str, tok: Any, fmt: Any) -> SeqTarget:
+    """A response scored over its executable-action tokens only (SPEC §2.3 pair)."""
+    action, _ = parse_action(response, fmt)
+    enc = tok(response, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    start = response.rfind(action) if action else -1
+    if start < 0:
+        return SeqTarget(prompt_ids, ids, None)
+    end = start + len(action)
+    mask = [1 if (a < end and b > start) else 0 for a, b in enc["offset_mapping"]]
+    return SeqTarget(prompt_ids, ids, mask if any(mask) else None)
+
+
+class RandomVerifiedHandoff(VerifiedHandoff):
+    """Ablation: the handoff is drawn uniformly from S \\ {j_early}; confirmation and replay unchanged."""
+
+    handoff = "random"
+
+
+class RandomAnchorOrder(VerifiedHandoff):
+    """Ablation: non-root anchors in random order, the root last."""
+
+    anchor_order = "random"
+
+
+class NoHandoff(VerifiedHandoff):
+    """Ablation: keep the whole teacher recovery as the bridge; no handoff search, no resume."""
+
+    handoff = "none"
+
+
+class ExtraStudentRollouts(RescueCallback):
+    """Budget-matched ablation: ``extra_rollouts`` more student rollouts per selected group,
+    trained with plain GRPO (advantages recomputed over the enlarged group)."""
+
+    def __init__(self, relay: RelayConfig | None = None, extra_rollouts: int = 4, seed: int = 0,
+                 records: bool = True) -> None:
+        super().__init__(relay, seed, records)
+        if extra_rollouts < 1:
+            raise ValueError(f"extra_rollouts must be >= 1, got {extra_rollouts}")
+        self.extra_rollouts = extra_rollouts
+
+    def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
+               selected: list[int], step: dict[str, float]) -> list[float]:
+        if not selected:
+            return []
+        dm = trainer.datamodule
+        seed = step_seed(self.seed, trainer.global_step, 17)
+        starts = [Start(batch.groups[gi].task, seed + 1000 + k) for gi in selected for k in range(self.extra_rollouts)]
+        eps = dm.runner.run(starts, dm.student(), seed=seed, train=True)
+        tokens = 0
+        for n, gi in enumerate(selected):
+            g = batch.groups[gi]
+            new: list[Trajectory] = [dm.runner.to_trajectory(e) for e in
+                                     eps[n * self.extra_rollouts : (n + 1) * self.extra_rollouts] if e.error is None]
+            tokens += sum(t.num_response_tokens for t in new)
+            g.trajectories.extend(new)
+            dm.assign_group_advantages(g)
+            self._write(trainer, {"step": trainer.global_step, "task": g.task_id, "extra_rollouts": len(new),
+                                  "successes": sum(t.success for t in new), "zero_signal_after": g.zero_signal})
+        step["extra_tokens_student"] = float(tokens)
+        return []
+
+
+__all__ = ["ExtraStudentRollouts", "NoHandoff", "RandomAnchorOrder", "RandomVerifiedHandoff", "RescueCallback",
+           "TeacherSpec", "VerifiedHandoff"]

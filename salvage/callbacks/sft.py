@@ -1,0 +1,105 @@
+"""Warm start by supervised fine-tuning on oracle demonstrations (before RL).
+
+A student that never emits a valid action cannot succeed alone, so VH-GPO has nothing to
+hand off to. ``OracleSFT`` plays ``episodes`` oracle episodes on the training tasks
+through the datamodule's runner, turns every turn into (student-visible prompt, oracle
+response) in the student's tokens, and trains the policy for ``steps`` AdamW steps of
+mean-token NLL before the first update. The frozen reference (KL, pair objective) is then
+reset to the warm-started policy: "the student's initial checkpoint" is this one. Runs
+once: a resumed run does not repeat it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import lightning as L
+import torch
+
+from salvage.core.losses import seq_mean_logprob
+from salvage.lm import pad_right, token_logprobs
+from salvage.rollout.agent import OraclePolicy, Start
+
+log = logging.getLogger(__name__)
+
+
+class OracleSFT(L.Callback):
+    """Supervised warm start on oracle demonstrations.
+
+    Args:
+        episodes: oracle episodes to collect (cycling over the training tasks).
+        steps: optimiser steps.
+        batch_size: (prompt, response) pairs per step.
+        lr: AdamW learning rate of the warm start (its own optimiser).
+        seed: seed of the batch sampling.
+    """
+
+    def __init__(self, episodes: int = 16, steps: int = 50, batch_size: int = 16, lr: float = 3e-3,
+                 seed: int = 0) -> None:
+        for k, v in (("episodes", episodes), ("steps", steps), ("batch_size", batch_size)):
+            if v < 1:
+                raise ValueError(f"OracleSFT {k} must be >= 1, got {v}")
+        if lr <= 0:
+            raise ValueError(f"OracleSFT lr must be > 0, got {lr}")
+        self.episodes, self.steps, self.batch_size, self.lr, self.seed = episodes, steps, batch_size, lr, seed
+        self.done = False
+        self.history: list[float] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": self.done, "history": self.history}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.done = bool(state_dict["done"])
+        self.history = list(state_dict.get("history", []))
+
+    def demonstrations(self, trainer: L.Trainer) -> list[tuple[list[int], list[int]]]:
+        dm = trainer.datamodule
+        tasks = dm.tasks["train"]
+        starts = [Start(tasks[i % len(tasks)], seed=i) for i in range(self.episodes)]
+        eps = dm.runner.run(starts, OraclePolicy(dm.fmt), seed=self.seed, train=False)
+        student = dm.student()
+        tok = student.tokenizer
+        pairs = []
+        wins = 0
+        for e in eps:
+            wins += e.won
+            if not e.won:
+                continue  # only demonstrations that verifiably succeed
+            for t in e.turns:
+                resp = list(tok(t.response_text, add_special_tokens=False)["input_ids"])
+                if tok.eos_token_id is not None:
+                    resp.append(int(tok.eos_token_id))
+                pairs.append((student.encode(t.prompt_text), resp))
+        log.info("OracleSFT: %d/%d oracle episodes won, %d turns", wins, len(eps), len(pairs))
+        return pairs
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.done:
+            return
+        pairs = self.demonstrations(trainer)
+        if not pairs:
+            raise RuntimeError("OracleSFT: no winning oracle episode to learn from (check the env and tasks)")
+        model = pl_module.policy
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
+        rng = random.Random(self.seed)
+        pad = int(pl_module.tokenizer.pad_token_id)
+        model.train()
+        for _ in range(self.steps):
+            batch = rng.sample(pairs, min(self.batch_size, len(pairs)))
+            ids, mask = pad_right([p + r for p, r in batch], pad, pl_module.device)
+            lp = token_logprobs(model, ids, mask)
+            count = torch.zeros_like(lp)
+            for i, (p, r) in enumerate(batch):
+                count[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+            loss = -seq_mean_logprob(lp, count).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            self.history.append(float(loss.detach()))
+        opt.zero_grad(set_to_none=True)
+        pl_module.reset_reference()
+        self.done = True
+        log.info("OracleSFT: loss %.3f -> %.3f over %d steps", self.history[0], self.history[-1], self.steps)

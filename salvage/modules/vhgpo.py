@@ -1,0 +1,117 @@
+"""VHGPOModule: GRPO plus the three VH-GPO auxiliary objectives (SPEC §2.3).
+
+``L = L_GRPO + eta L_KL + L_aux``, ``L_aux = l_pair L_pair + l_bridge L_bridge + l_resume L_resume``.
+The GRPO terms come from groups with reward contrast (the rescued zero-signal groups
+keep advantage 0, so a failed trajectory is never a GRPO positive); the auxiliary terms
+come from the relays a rescue callback attached to the batch
+(``batch.extras["relays"]``, see ``salvage.callbacks.relay``). Each auxiliary term is
+normalised on its own (mean over its items); a term with no items is omitted.
+Scores use temperature 1. The pair's reference is the frozen initial student.
+Ours: the auxiliary gradient joins the update once, in its last minibatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from salvage.core.losses import completion_loss, pair_loss, seq_mean_logprob
+from salvage.lm import pad_right, token_logprobs
+from salvage.modules.grpo import TRAIN_METRICS, GRPOModule
+from salvage.types import RelayData, RolloutBatch, SeqTarget
+
+AUX_METRICS = ("loss/pair", "loss/bridge", "loss/resume", "loss/aux", "relay/pairs", "relay/bridge_turns",
+               "relay/resume_turns")
+
+
+class VHGPOModule(GRPOModule):
+    """GRPOModule + VH-GPO objectives. Ablate an objective by setting its lambda to 0.
+
+    Args:
+        beta: preference strength of the pair objective.
+        lambda_pair / lambda_bridge / lambda_resume: weights of the three objectives (ours: 1.0).
+        **kwargs: every GRPOModule argument.
+    """
+
+    METRICS = TRAIN_METRICS + AUX_METRICS
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        lambda_pair: float = 1.0,
+        lambda_bridge: float = 1.0,
+        lambda_resume: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        for key, val in (("lambda_pair", lambda_pair), ("lambda_bridge", lambda_bridge),
+                         ("lambda_resume", lambda_resume)):
+            if val < 0:
+                raise ValueError(f"model.{key}={val!r} must be >= 0")
+        if beta <= 0:
+            raise ValueError(f"model.beta={beta!r} must be > 0")
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+    def needs_reference(self) -> bool:
+        return super().needs_reference() or self.hparams.lambda_pair > 0
+
+    def has_aux(self, batch: RolloutBatch) -> bool:
+        return bool(batch.extras.get("relays"))
+
+    # ------------------------------------------------------------------ scores
+    def _scores(self, model: torch.nn.Module, items: list[SeqTarget]) -> torch.Tensor:
+        """s(y|h) per item: mean log-prob of the counted response tokens (temperature 1)."""
+        ids, mask = pad_right([t.prompt_ids + t.response_ids for t in items], int(self.tokenizer.pad_token_id),
+                              self.device)
+        lp = token_logprobs(model, ids, mask, 1.0)
+        count = torch.zeros_like(lp)
+        for i, t in enumerate(items):
+            m = t.mask if t.mask is not None else [1] * len(t.response_ids)
+            a = len(t.prompt_ids) - 1
+            count[i, a : a + len(m)] = torch.tensor(m, dtype=lp.dtype, device=lp.device)
+        return seq_mean_logprob(lp, count)
+
+    def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
+        hp = self.hparams
+        relays: list[RelayData] = batch.extras.get("relays", [])
+        bridge = [t for r in relays for t in r.bridge]
+        resume = [t for r in relays for t in r.resume]
+        pairs = [r.pair for r in relays if r.pair is not None]
+        mbs = hp.micro_batch_size
+        total = torch.zeros((), device=self.device)
+        m = self.step_metrics
+        for name, lam, items in (("bridge", hp.lambda_bridge, bridge), ("resume", hp.lambda_resume, resume)):
+            m.update(f"relay/{name}_turns", float(len(items)))
+            if lam <= 0 or not items:
+                continue  # no data (or ablated): the term is omitted
+            value = 0.0
+            for s in range(0, len(items), mbs):
+                part = items[s : s + mbs]
+                loss = completion_loss(self._scores(self.policy, part)).sum() / len(items)
+                if not torch.isfinite(loss):
+                    return loss.detach()
+                self.manual_backward(lam * loss)
+                value += float(loss.detach())
+            m.update(f"loss/{name}", value)
+            total = total + lam * value
+        m.update("relay/pairs", float(len(pairs)))
+        if hp.lambda_pair > 0 and pairs:
+            value = 0.0
+            step = max(1, mbs // 2)
+            for s in range(0, len(pairs), step):
+                part = pairs[s : s + step]
+                flat = [p[0] for p in part] + [p[1] for p in part]
+                with torch.no_grad():
+                    ref = self._scores(self.ref_model, flat)
+                cur = self._scores(self.policy, flat)
+                k = len(part)
+                loss = pair_loss(cur[:k], cur[k:], ref[:k], ref[k:], hp.beta).sum() / len(pairs)
+                if not torch.isfinite(loss):
+                    return loss.detach()
+                self.manual_backward(hp.lambda_pair * loss)
+                value += float(loss.detach())
+            m.update("loss/pair", value)
+            total = total + hp.lambda_pair * value
+        m.update("loss/aux", float(total))
+        return total
