@@ -61,7 +61,7 @@ def test_short_fit_moves_every_parameter_and_losses_are_finite(tmp_path):
     assert trainer.global_step == 2  # one global step per rollout batch, not per minibatch
     unchanged = [n for n, p in module.policy.named_parameters() if torch.equal(p.detach(), before[n])]
     assert unchanged == []
-    m = trainer.logged_metrics
+    m = trainer.callback_metrics
     for k in ("loss/policy", "loss/kl", "loss/total", "train/grad_norm"):
         assert math.isfinite(float(m[k])), k
     assert float(m["train/grad_norm"]) > 0
@@ -83,8 +83,8 @@ def test_first_minibatch_ratio_is_exactly_one(tmp_path):
     # behaviour log-probs are recomputed the same way the update computes them
     # one minibatch per step: every token's ratio is computed before any update
     module, trainer, _ = _fit(tmp_path, num_minibatches=1)
-    assert float(trainer.logged_metrics["loss/ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
-    assert float(trainer.logged_metrics["loss/clip_frac"]) == 0.0
+    assert float(trainer.callback_metrics["loss/ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+    assert float(trainer.callback_metrics["loss/clip_frac"]) == 0.0
 
 
 def test_bad_module_config_is_refused_naming_the_key():

@@ -41,7 +41,11 @@ class CostTracker(L.Callback):
         for k, v in batch.stats.items():
             if k.startswith("time_"):
                 values[f"cost/{k}"] = float(v)
-        pl_module.log_dict(values, on_step=True, on_epoch=False, logger=True)
+        record = getattr(pl_module, "record", None)
+        if record is not None:
+            record(values)
+        else:
+            pl_module.log_dict(values, on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {"total_step_s": self.total_step_s, "steps": self.steps}

@@ -145,8 +145,7 @@ class RescueCallback(L.Callback):
             os.fsync(f.fileno())
 
     def _log(self, pl_module: L.LightningModule, step: dict[str, float], fracs: list[float]) -> None:
-        values = self.acc.metrics(step, fracs)
-        pl_module.log_dict(values, on_step=True, on_epoch=False)
+        pl_module.record(self.acc.metrics(step, fracs))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:

@@ -102,4 +102,7 @@ class OracleSFT(L.Callback):
         opt.zero_grad(set_to_none=True)
         pl_module.reset_reference()
         self.done = True
+        if hasattr(pl_module, "record_later"):
+            pl_module.record_later({"sft/loss_first": self.history[0], "sft/loss_last": self.history[-1],
+                                    "sft/pairs": float(len(pairs)), "sft/steps": float(self.steps)})
         log.info("OracleSFT: loss %.3f -> %.3f over %d steps", self.history[0], self.history[-1], self.steps)

@@ -58,6 +58,14 @@ class ReplayEnv:
     def close(self) -> None:
         pass
 
+    def oracle_action(self) -> str | None:
+        """The oracle's next action at the current state (None: it has none).
+
+        Asked on demand (only oracle policies ask), so an expensive planner costs nothing
+        in student rollouts. Default: what the environment put in ``info``.
+        """
+        return self._info.get("oracle_action")
+
     # -- protocol -----------------------------------------------------------------
     def reset(self, task: dict[str, Any], seed: int = 0) -> tuple[str, dict[str, Any]]:
         obs, info = self._reset(task, seed)
@@ -99,8 +107,11 @@ class ReplayEnv:
             "digest": digest(self._obs),
         }
 
-    def restore(self, state: dict[str, Any]) -> str:
-        """Replay ``state`` from reset and verify the observation; returns it."""
+    def restore(self, state: dict[str, Any], verify: bool = True) -> str:
+        """Replay ``state`` from reset and verify the observation; returns it.
+
+        ``verify=False`` is for internal planners replaying their own, unrecorded paths.
+        """
         try:
             if state["env"] != self.name:
                 raise RestoreError(f"snapshot is for env {state['env']!r}, not {self.name!r}")
@@ -108,14 +119,14 @@ class ReplayEnv:
             want = state["observation"]
         except (KeyError, TypeError, ValueError) as e:
             raise RestoreError(f"{self.name}: malformed snapshot ({e!r})") from e
-        if state.get("digest") not in (None, digest(want)):
+        if verify and state.get("digest") not in (None, digest(want)):
             raise RestoreError(f"{self.name}: snapshot digest does not match its observation (tampered?)")
         obs, _ = self.reset(task, seed)
         for t, a in enumerate(actions):
             if self._done:
                 raise RestoreError(f"{self.name}: replay ended at depth {t} of {len(actions)}")
             obs = self.step(a).observation
-        if obs != want:
+        if verify and obs != want:
             raise RestoreError(
                 f"{self.name}: restore at depth {len(actions)} does not reproduce the recorded "
                 f"observation: got {obs[:120]!r}, recorded {want[:120]!r}"

@@ -63,6 +63,8 @@ class _Host:
             if op == "step":
                 res = self._env(eid, create=False).step(arg)
                 return EnvResult(True, res)
+            if op == "oracle":
+                return EnvResult(True, self._env(eid, create=False).oracle_action())
             if op == "snapshot":
                 return EnvResult(True, self._env(eid, create=False).snapshot())
             if op == "restore":
@@ -167,6 +169,9 @@ class EnvPool:
     def step(self, items: list[tuple[int, str]]) -> list[EnvResult]:
         return self._run([("step", eid, a) for eid, a in items])
 
+    def oracle(self, eids: list[int]) -> list[EnvResult]:
+        return self._run([("oracle", eid, None) for eid in eids])
+
     def snapshot(self, eids: list[int]) -> list[EnvResult]:
         return self._run([("snapshot", eid, None) for eid in eids])
 
@@ -242,6 +247,8 @@ class EnvPool:
             return False
 
     def _timeout(self, op: str, arg: Any) -> float:
+        if op == "oracle":
+            return self.step_timeout_s * 10  # a planner may search
         if op == "restore" and isinstance(arg, dict):
             return self.step_timeout_s * (1 + len(arg.get("actions", [])))
         return self.step_timeout_s

@@ -1,9 +1,14 @@
 """TextWorld-Express (extra ``twx``): coin, cookingworld, twc and the other games.
 
 A task is one generated game: ``{"game", "params", "game_seed", "fold"}``; the
-episode seed is unused (the engine is deterministic given the game seed). The gold
-path (``generateGoldPath``) is exposed per state as ``info["oracle_action"]``: the next
-gold action while the agent has followed the gold path so far, else None.
+episode seed is unused (the engine is deterministic given the game seed).
+
+The oracle (``oracle_action()``, asked on demand) is a breadth-first planner over the
+game's admissible actions from the current state, run on a twin instance through
+replay restores: the shortest plan, deterministic. (TWX's own gold path is drawn at
+random on every reset: the same seed gave gold paths of 5, 17 and 9 actions in three
+processes, so it is not used; an oracle must be reproducible.) States are identified by
+(observation, admissible actions, score); the plan is cached while the agent follows it.
 Each instance holds its own JVM (~0.5 s to start), reused across episodes.
 """
 
@@ -27,14 +32,16 @@ DEFAULT_PARAMS = {
 class TWXEnv(ReplayEnv):
     name: ClassVar[str] = "twx"
 
-    def __init__(self, step_limit: int = 100) -> None:
+    def __init__(self, step_limit: int = 100, plan_max_nodes: int = 400, plan_max_depth: int = 30) -> None:
         super().__init__()
         self.step_limit = step_limit
+        self.plan_max_nodes = plan_max_nodes
+        self.plan_max_depth = plan_max_depth
         self._env: Any = None
         self._loaded: tuple[str, str] | None = None
-        self._gold: list[str] = []
-        self._gold_pos = 0
         self._task_desc = ""
+        self._planner: TWXEnv | None = None
+        self._plan: tuple[tuple[str, ...], list[str]] | None = None
 
     def _server(self) -> Any:
         if self._env is None:
@@ -68,32 +75,77 @@ class TWXEnv(ReplayEnv):
             env.load(*key)
             self._loaded = key
         # TWX draws a game per (seed, fold): the task's game_seed must be valid for its fold
-        obs, raw = env.reset(seed=int(task["game_seed"]), gameFold=task.get("fold", "train"), generateGoldPath=True)
-        self._gold = list(env.getGoldActionSequence())
-        self._gold_pos = 0
+        obs, raw = env.reset(seed=int(task["game_seed"]), gameFold=task.get("fold", "train"), generateGoldPath=False)
+        self._plan = None
         self._task_desc = raw.get("taskDescription", "")
         return obs, self._info_from(raw)
 
     def _info_from(self, raw: dict[str, Any]) -> dict[str, Any]:
-        nxt = self._gold[self._gold_pos] if self._gold_pos < len(self._gold) else None
-        oracle = nxt if nxt is not None and nxt in raw.get("validActions", []) else None
         return {
             "won": bool(raw.get("tasksuccess", False)),
             "lost": bool(raw.get("taskfailure", False)),
             "admissible": sorted(raw.get("validActions", [])),
             "score": float(raw.get("score", 0.0)),
             "task_description": self._task_desc,
-            "oracle_action": oracle,
         }
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        if self._gold_pos < len(self._gold) and action == self._gold[self._gold_pos]:
-            self._gold_pos += 1
         obs, reward, done, raw = self._env.step(action)
         info = self._info_from(raw)
         return obs, reward, bool(done or info["won"] or info["lost"]), info
 
+    # -- oracle: breadth-first planning on a twin instance ------------------------------
+    def oracle_action(self) -> str | None:
+        if self._task is None or self._done:
+            return None
+        here = tuple(self._actions)
+        if self._plan is not None:
+            base, plan = self._plan
+            k = len(here) - len(base)
+            if here[: len(base)] == base and 0 <= k < len(plan) and list(here[len(base):]) == plan[:k]:
+                return plan[k]
+        plan = self._bfs()
+        self._plan = (here, plan) if plan else None
+        return plan[0] if plan else None
+
+    def _key(self, obs: str, info: dict[str, Any]) -> str:
+        return f"{obs}|{','.join(info['admissible'])}|{info['score']}"
+
+    def _bfs(self) -> list[str] | None:
+        if self._planner is None:
+            self._planner = TWXEnv(step_limit=self.step_limit)
+        tw = self._planner
+        start = self.snapshot()
+        seen = {self._key(self._obs, self._info)}
+        frontier: list[list[str]] = [[]]
+        nodes = 0
+        for _depth in range(self.plan_max_depth):
+            nxt: list[list[str]] = []
+            for path in frontier:
+                tw.restore({**start, "actions": start["actions"] + path, "observation": None, "digest": None},
+                           verify=False)
+                for a in list(tw.info["admissible"]):
+                    if nodes >= self.plan_max_nodes:
+                        return None
+                    nodes += 1
+                    res = tw.step(a)
+                    if res.info["won"]:
+                        return path + [a]
+                    key = self._key(res.observation, res.info)
+                    if not res.done and key not in seen:
+                        seen.add(key)
+                        nxt.append(path + [a])
+                    tw.restore({**start, "actions": start["actions"] + path, "observation": None,
+                                "digest": None}, verify=False)
+            if not nxt:
+                return None
+            frontier = nxt
+        return None
+
     def close(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
         if self._env is not None:
             try:
                 self._env.close()

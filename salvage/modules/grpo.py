@@ -133,6 +133,7 @@ class GRPOModule(L.LightningModule):
         self.step_metrics = StepMetrics(self.METRICS, sums=("train/skipped_updates", "env/errors"))
         self._nonfinite_in_a_row = 0
         self.skipped_updates = 0
+        self._step_log: dict[str, float] = {}
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -328,7 +329,7 @@ class GRPOModule(L.LightningModule):
             if not torch.isfinite(loss):
                 finite = False
                 break
-            self.manual_backward(loss)
+            self.backward_loss(loss)
             stats["policy"] += float(pol.detach())
             stats["clip"] += float((aw * clipped).sum().detach())
             stats["ratio"] += float((aw * ratio).sum().detach())
@@ -365,6 +366,13 @@ class GRPOModule(L.LightningModule):
         self.step_metrics.update("loss/total", stats["policy"] + hp.kl_coef * stats["kl"], n_tok)
         return True
 
+    def backward_loss(self, loss: torch.Tensor) -> None:
+        """Backward through the strategy when attached to a trainer (plain autograd otherwise)."""
+        if self._trainer is not None:
+            self.manual_backward(loss)
+        else:
+            loss.backward()
+
     def _clip_and_norm(self) -> float:
         params = [p for p in self.policy.parameters() if p.grad is not None]
         if not params:
@@ -386,10 +394,32 @@ class GRPOModule(L.LightningModule):
             sched.step()
         values = self.step_metrics.compute()
         values["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
-        self.log_dict(values, on_step=True, on_epoch=False, prog_bar=False)
+        self.record(values)
         for k in ("rollout/reward_mean", "loss/policy"):
             if k in values:
                 self.log(k.split("/")[1], values[k], on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+    # ------------------------------------------------------------------ step logging
+    def record(self, values: dict[str, float]) -> None:
+        """Log metrics of the current update (module and callbacks alike).
+
+        Values go to ``callback_metrics`` at once and to the loggers once per update, at
+        step = update index, in ``on_train_batch_end``. (Lightning's own on-step logging
+        re-sends a key's last value on later steps where it was not logged, which would
+        make "no data this step" look like data.)
+        """
+        self._step_log.update({k: float(v) for k, v in values.items()})
+        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
+
+    def record_later(self, values: dict[str, float]) -> None:
+        """Buffer metrics for the loggers only (from hooks where ``self.log`` is not allowed)."""
+        self._step_log.update({k: float(v) for k, v in values.items()})
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_log:
+            for lg in self.loggers:
+                lg.log_metrics(dict(self._step_log), step=self.global_step - 1)
+            self._step_log = {}
 
     def log_rollout(self, batch: RolloutBatch) -> None:
         trajs = batch.trajectories

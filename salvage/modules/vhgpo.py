@@ -91,7 +91,7 @@ class VHGPOModule(GRPOModule):
                 loss = completion_loss(self._scores(self.policy, part)).sum() / len(items)
                 if not torch.isfinite(loss):
                     return loss.detach()
-                self.manual_backward(lam * loss)
+                self.backward_loss(lam * loss)
                 value += float(loss.detach())
             m.update(f"loss/{name}", value)
             total = total + lam * value
@@ -109,7 +109,7 @@ class VHGPOModule(GRPOModule):
                 loss = pair_loss(cur[:k], cur[k:], ref[:k], ref[k:], hp.beta).sum() / len(pairs)
                 if not torch.isfinite(loss):
                     return loss.detach()
-                self.manual_backward(hp.lambda_pair * loss)
+                self.backward_loss(hp.lambda_pair * loss)
                 value += float(loss.detach())
             m.update("loss/pair", value)
             total = total + hp.lambda_pair * value

@@ -68,11 +68,14 @@ class LMPolicy:
 
 
 class OraclePolicy:
-    """The environment's gold path / expert (``info["oracle_action"]``), well formatted.
+    """The environment's oracle (planner / gold path / expert), well formatted.
 
-    Where the oracle has no action for a state (e.g. TextWorld-Express off its gold
-    path) it answers an empty action, which the episode records as a failed turn.
+    The runner asks the environments for ``oracle_action`` only for policies that set
+    ``needs_oracle``. Where the oracle has no action for a state it answers an empty
+    action, which the episode records as an invalid turn.
     """
+
+    needs_oracle = True
 
     def __init__(self, fmt: AgentFormat) -> None:
         self.fmt = fmt
@@ -159,6 +162,9 @@ class AgentRunner:
                 break
             prompts = [self._prompt(e) for e in live]
             t0 = time.perf_counter()
+            if getattr(policy, "needs_oracle", False):
+                for e, res in zip(live, self.pool.oracle([e.eid for e in live]), strict=True):
+                    e.info = {**e.info, "oracle_action": res.value if res.ok else None}
             resp = policy.respond(prompts, [e.info for e in live], seed=_mix(seed, turn))
             t1 = time.perf_counter()
             self.time_policy += t1 - t0
