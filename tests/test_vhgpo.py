@@ -227,3 +227,32 @@ def test_objective_ablation_lambda_zero_omits_the_term(tmp_path):
 def test_b_min_above_horizon_fails_before_compute(tmp_path):
     with pytest.raises(ValueError, match="b_min=9 exceeds"):
         _run(tmp_path, VerifiedHandoff(relay=RelayConfig(b_min=9)))
+
+
+def test_cli_twx_tiny_retains_relays(tmp_path):
+    """The issue's acceptance run: 3 updates on CPU, relay/retained > 0 at some step."""
+    import csv
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is not installed")
+    if shutil.which("java") is None:
+        pytest.skip("TextWorld-Express needs Java")
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "RUN"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "salvage.cli", "fit", "--config", str(root / "configs/vhgpo/twx_tiny.yaml"),
+         "--trainer.max_steps", "3", "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar",
+         "false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
+    assert len(rows) == 3
+    assert max(float(r["relay/retained"]) for r in rows) > 0
+    assert float(rows[0]["sft/loss_last"]) < float(rows[0]["sft/loss_first"])
+    recs = [json.loads(x) for x in next(run.glob("version_0/relays.jsonl")).read_text().splitlines()]
+    kept = [r for r in recs if r["retained"]]
+    assert kept and all(r["j_star"] < r["L"] for r in kept)
+    assert float(rows[-1]["cost/extra_token_ratio"]) > 0
