@@ -12,20 +12,32 @@ DEFAULT_KEYS = (
     "rollout/success_rate",
     "rollout/zero_signal_frac",
     "rollout/response_len",
+    "relay/zero_signal_groups_cum",
+    "relay/selected_cum",
+    "relay/recoveries_cum",
+    "relay/retained_cum",
+    "relay/teacher_frac",
+    "relay/pooled_reduction",
+    "cost/extra_token_ratio",
     "perf/step_s",
     "cost/gpu_hours",
 )
 
 
 class RunSummary(L.Callback):
-    """Collects the logged value of ``keys`` after every step; prints first / last / mean."""
+    """Collects the value of ``keys`` logged at every step; prints first / last / mean.
+
+    Keys a run does not log (e.g. ``relay/*`` without a rescue stage) are left out.
+    ``*_cum`` and ``cost/*`` are cumulative: their "last" is the run total.
+    """
 
     def __init__(self, keys: list[str] | None = None) -> None:
         self.keys = list(keys or DEFAULT_KEYS)
         self.history: dict[str, list[float]] = {k: [] for k in self.keys}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        m = trainer.callback_metrics
+        logged = getattr(pl_module, "_step_log", None)
+        m = logged if logged else trainer.callback_metrics
         for k in self.keys:
             if k in m:
                 self.history[k].append(float(m[k]))

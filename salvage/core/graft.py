@@ -1,0 +1,155 @@
+"""GRAFT cross-model trajectory exchange (SPEC §3), pure.
+
+Selection of complementary prompts, direction balancing, the compatibility score and
+weight, minibatch ordering, and the per-token losses of GRAFT and of its baselines.
+No models, no tokenizers, no global RNG (every random choice takes a ``random.Random``).
+
+Rules marked "ours" in SPEC, named where implemented:
+- ``balance="min_ratio"``: each direction transfers at most ``ceil(rho * max(m_other, 1))``
+  prompts, chosen uniformly at random;
+- random admission (a baseline): each peer response is admitted with probability
+  ``p_admit`` and weight 1 (ours: SPEC names the variant without a rate).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BALANCE = ("min_ratio", "none")
+ORDERS = ("peer-last", "peer-first", "uniform")
+
+
+def complementary(k_receiver: int, k_source: int, n: int) -> bool:
+    """SPEC §3.1: the receiver solved none, the source solved some but not all."""
+    return k_receiver == 0 and 1 <= k_source <= n - 1
+
+
+@dataclass
+class Transfers:
+    a_to_b: list[int]
+    """Prompt indices whose A group replaces B's group."""
+    b_to_a: list[int]
+    m_ab: int
+    """Complementary prompts A -> B before balancing."""
+    m_ba: int
+
+
+def select_transfers(
+    k_a: Sequence[int],
+    k_b: Sequence[int],
+    n: int,
+    rng: random.Random,
+    balance: str = "min_ratio",
+    rho: float = 1.0,
+) -> Transfers:
+    """Complementary prompts per direction, balanced (SPEC §3.1; ``min_ratio`` is ours)."""
+    if balance not in BALANCE:
+        raise ValueError(f"graft.balance must be one of {BALANCE}, got {balance!r}")
+    if len(k_a) != len(k_b):
+        raise ValueError(f"success counts of A ({len(k_a)}) and B ({len(k_b)}) cover different prompts")
+    ab = [q for q in range(len(k_a)) if complementary(k_b[q], k_a[q], n)]
+    ba = [q for q in range(len(k_a)) if complementary(k_a[q], k_b[q], n)]
+    m_ab, m_ba = len(ab), len(ba)
+    if balance == "min_ratio":
+        cap_ab = math.ceil(rho * max(m_ba, 1))
+        cap_ba = math.ceil(rho * max(m_ab, 1))
+        ab = sorted(rng.sample(ab, cap_ab)) if len(ab) > cap_ab else ab
+        ba = sorted(rng.sample(ba, cap_ba)) if len(ba) > cap_ba else ba
+    return Transfers(ab, ba, m_ab, m_ba)
+
+
+def select_unidirectional(k_receiver: Sequence[int], k_source: Sequence[int], n: int) -> list[int]:
+    """Stored mode: one direction, no balancing."""
+    return [q for q in range(len(k_source)) if complementary(k_receiver[q], k_source[q], n)]
+
+
+def mean_logprob(logprobs: Sequence[float]) -> float:
+    """``lbar``: mean token log-prob of a response under one model's own tokenisation."""
+    if not logprobs:
+        raise ValueError("a response with no tokens has no mean log-prob")
+    return float(sum(logprobs) / len(logprobs))
+
+
+def compatibility(lbar_receiver: float, lbar_source: float) -> float:
+    """``s(o|q) = exp(lbar_B - lbar_A)``: a proxy, not a density ratio (SPEC §3.2)."""
+    return math.exp(lbar_receiver - lbar_source)
+
+
+def compat_weight(s: float, delta: float = 0.8, gate: bool = True, floor: bool = True) -> float:
+    """``w = min(s, 1)`` if ``s > delta`` else 0; ``gate=False``: w = 1; ``floor=False``: w = min(s, 1)."""
+    if not 0 < delta <= 1:
+        raise ValueError(f"graft.delta={delta!r} must be in (0, 1]")
+    if not gate:
+        return 1.0
+    w = min(s, 1.0)
+    if floor and s <= delta:
+        return 0.0
+    return w
+
+
+def random_admission(n: int, p_admit: float, rng: random.Random) -> list[float]:
+    """Random-admission baseline (ours): weight 1 with probability ``p_admit``, else 0."""
+    if not 0 <= p_admit <= 1:
+        raise ValueError(f"graft.p_admit={p_admit!r} must be in [0, 1]")
+    return [1.0 if rng.random() < p_admit else 0.0 for _ in range(n)]
+
+
+def order_groups(is_peer: Sequence[bool], order: str, rng: random.Random) -> list[int]:
+    """Group order before splitting into minibatches: peer groups last (default), first, or shuffled."""
+    if order not in ORDERS:
+        raise ValueError(f"graft.order must be one of {ORDERS}, got {order!r}")
+    own = [i for i, p in enumerate(is_peer) if not p]
+    peer = [i for i, p in enumerate(is_peer) if p]
+    if order == "peer-last":
+        return own + peer
+    if order == "peer-first":
+        return peer + own
+    idx = list(range(len(is_peer)))
+    rng.shuffle(idx)
+    return idx
+
+
+def split_minibatches(order: Sequence[int], num_minibatches: int) -> list[list[int]]:
+    """Contiguous, near-equal chunks of ``order`` (so peer-last puts peers in the last ones)."""
+    k = max(1, min(num_minibatches, len(order)))
+    return [list(order[i * len(order) // k : (i + 1) * len(order) // k]) for i in range(k)]
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def pooled_advantages(r_receiver: torch.Tensor, r_peer: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled groups: GRPO advantages over receiver || peer rewards (SPEC §3.3, eps 1e-6)."""
+    r = torch.cat([r_receiver, r_peer]).to(torch.float64)
+    std = r.std(correction=1) if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+    a = ((r - r.mean()) / (std + eps)).to(torch.float32)
+    return a[: r_receiver.numel()], a[r_receiver.numel() :]
+
+
+def luffy_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, gamma: float = 0.1) -> torch.Tensor:
+    """LUFFY-style peer tokens: ``-f(p) A`` with ``f(p) = p / (p + gamma)``, behaviour prob 1, no clip."""
+    p = torch.exp(logprobs)
+    return -(p / (p + gamma)) * advantages
+
+
+def sgt_pick(successes: Sequence[bool], k_receiver: int, rng: random.Random) -> int | None:
+    """SGT: one uniformly chosen correct peer response when the receiver solved none."""
+    ok = [i for i, s in enumerate(successes) if s]
+    if k_receiver != 0 or not ok:
+        return None
+    return rng.choice(ok)
+
+
+def hacpo_clip_range(step: int, eps: float = 0.2, ramp: float = 0.025) -> tuple[float, float]:
+    """HACPO's peer ratio range ``[1 - eps + ramp * step, 1]`` (the lower end capped at 1)."""
+    return min(1.0, 1.0 - eps + ramp * step), 1.0
+
+
+def hacpo_sequence_ratio(lbar_target: float, lbar_source: float) -> float:
+    """HACPO's sequence-level ratio ``exp(mean logp_target - mean logp_source)``."""
+    return math.exp(lbar_target - lbar_source)

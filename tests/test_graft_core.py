@@ -1,0 +1,127 @@
+"""GRAFT exchange logic (SPEC §3) on hand-worked values."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from salvage.core.graft import (
+    compat_weight,
+    compatibility,
+    complementary,
+    hacpo_clip_range,
+    hacpo_sequence_ratio,
+    luffy_token_loss,
+    mean_logprob,
+    order_groups,
+    pooled_advantages,
+    random_admission,
+    select_transfers,
+    select_unidirectional,
+    sgt_pick,
+    split_minibatches,
+)
+
+
+def test_complementary():
+    n = 8
+    assert complementary(0, 3, n)
+    assert not complementary(0, 0, n)  # nobody solved it
+    assert not complementary(0, 8, n)  # k_A = n: zero advantages, useless
+    assert not complementary(1, 3, n)  # the receiver has its own signal
+
+
+def test_selection_without_balancing():
+    # prompts:  0      1      2      3      4      5
+    k_a = [3, 0, 8, 0, 5, 2]
+    k_b = [0, 4, 0, 0, 0, 1]
+    t = select_transfers(k_a, k_b, 8, random.Random(0), balance="none")
+    # A->B: k_B = 0 and 1 <= k_A <= 7: prompts 0, 4 (2 has k_A = 8, 3 has k_A = 0)
+    # B->A: k_A = 0 and 1 <= k_B <= 7: prompt 1
+    assert (t.a_to_b, t.b_to_a, t.m_ab, t.m_ba) == ([0, 4], [1], 2, 1)
+
+
+def test_min_ratio_balancing_caps_each_direction():
+    # A->B complementary on 5 prompts, B->A on 2: A->B capped at ceil(1.0 * 2) = 2
+    k_a = [1, 2, 3, 4, 5, 0, 0]
+    k_b = [0, 0, 0, 0, 0, 3, 4]
+    seen = set()
+    for s in range(30):
+        t = select_transfers(k_a, k_b, 8, random.Random(s), balance="min_ratio", rho=1.0)
+        assert len(t.a_to_b) == 2 and set(t.a_to_b) <= {0, 1, 2, 3, 4}
+        assert t.b_to_a == [5, 6]  # cap ceil(1.0 * 5) = 5 > 2: all kept
+        seen.add(tuple(t.a_to_b))
+    assert len(seen) > 3  # chosen uniformly at random
+    # rho = 1.5: ceil(1.5 * 2) = 3
+    assert len(select_transfers(k_a, k_b, 8, random.Random(0), rho=1.5).a_to_b) == 3
+    # no prompt the other way: max(m_other, 1) = 1 -> at most ceil(rho) = 1
+    only_ab = select_transfers([2, 2, 2], [0, 0, 0], 8, random.Random(0))
+    assert len(only_ab.a_to_b) == 1 and only_ab.b_to_a == []
+
+
+def test_unidirectional_stored_mode_has_no_balancing():
+    assert select_unidirectional([0, 0, 0, 2], [1, 2, 3, 0], 8) == [0, 1, 2]
+
+
+def test_compatibility_and_weights_around_delta():
+    # lbar_B - lbar_A = ln 0.9 -> s = 0.9 > 0.8: w = 0.9
+    s = compatibility(math.log(0.9) - 1.0, -1.0)
+    assert s == pytest.approx(0.9)
+    assert compat_weight(s, 0.8) == pytest.approx(0.9)
+    # s = 0.8 exactly: not above delta -> 0
+    assert compat_weight(0.8, 0.8) == 0.0
+    # s = 0.5 below delta -> 0; without floor -> min(s, 1) = 0.5; without gate -> 1
+    assert compat_weight(0.5, 0.8) == 0.0
+    assert compat_weight(0.5, 0.8, floor=False) == 0.5
+    assert compat_weight(0.5, 0.8, gate=False) == 1.0
+    # s = e^0.3 = 1.35 > 1 -> capped at 1
+    assert compat_weight(compatibility(-0.7, -1.0), 0.8) == 1.0
+    with pytest.raises(ValueError, match="delta=1.5"):
+        compat_weight(0.9, 1.5)
+
+
+def test_mean_logprob():
+    assert mean_logprob([-1.0, -2.0, -3.0]) == pytest.approx(-2.0)
+    with pytest.raises(ValueError):
+        mean_logprob([])
+
+
+def test_minibatch_order():
+    peer = [False, True, False, True, False, False]
+    assert order_groups(peer, "peer-last", random.Random(0)) == [0, 2, 4, 5, 1, 3]
+    assert order_groups(peer, "peer-first", random.Random(0)) == [1, 3, 0, 2, 4, 5]
+    u = order_groups(peer, "uniform", random.Random(0))
+    assert sorted(u) == list(range(6)) and u != [0, 2, 4, 5, 1, 3]
+    # peer-last with 2 minibatches: the peer groups land in the last one
+    assert split_minibatches([0, 2, 4, 5, 1, 3], 2) == [[0, 2, 4], [5, 1, 3]]
+
+
+def test_pooled_advantages_eps():
+    # receiver [0, 0], peer [1, 1]: pooled mean 0.5, unbiased std = sqrt(1/3) = 0.57735
+    a_r, a_p = pooled_advantages(torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0]))
+    assert a_r.tolist() == pytest.approx([-0.866024, -0.866024], abs=1e-5)
+    assert a_p.tolist() == pytest.approx([0.866024, 0.866024], abs=1e-5)
+
+
+def test_luffy_shaping():
+    # p = 0.9: f = 0.9 / 1.0 = 0.9 -> loss -0.9 A; p = 0.1: f = 0.5
+    lp = torch.log(torch.tensor([0.9, 0.1]))
+    assert luffy_token_loss(lp, torch.tensor([1.0, 2.0])).tolist() == pytest.approx([-0.9, -1.0], abs=1e-6)
+
+
+def test_sgt_pick_and_hacpo_pieces():
+    assert sgt_pick([False, True, False, True], 0, random.Random(0)) in {1, 3}
+    assert sgt_pick([False, True], 2, random.Random(0)) is None  # receiver solved some
+    assert sgt_pick([False, False], 0, random.Random(0)) is None
+    assert hacpo_clip_range(0) == (pytest.approx(0.8), 1.0)
+    assert hacpo_clip_range(4) == (pytest.approx(0.9), 1.0)
+    assert hacpo_clip_range(100) == (1.0, 1.0)
+    assert hacpo_sequence_ratio(-1.0, -1.5) == pytest.approx(math.exp(0.5))
+
+
+def test_random_admission_rate():
+    w = random_admission(2000, 0.3, random.Random(0))
+    assert set(w) == {0.0, 1.0} and abs(sum(w) / 2000 - 0.3) < 0.04
