@@ -1,5 +1,6 @@
 """The ``salvage`` console script: LightningCLI with salvage's defaults.
 
+- ``salvage report RUN_DIR``: PNG plots and a markdown summary of a run (``salvage.report``).
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
@@ -47,10 +48,16 @@ class SalvageCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == "report":
+        from salvage.report import main as report_main
+
+        report_main(argv[1:])
+        return
     SalvageCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=args,
+        args=argv,
         auto_configure_optimizers=False,
     )
 

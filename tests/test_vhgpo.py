@@ -256,3 +256,9 @@ def test_cli_twx_tiny_retains_relays(tmp_path):
     kept = [r for r in recs if r["retained"]]
     assert kept and all(r["j_star"] < r["L"] for r in kept)
     assert float(rows[-1]["cost/extra_token_ratio"]) > 0
+    # and `salvage report` renders that run directory
+    proc = subprocess.run([sys.executable, "-m", "salvage.cli", "report", str(run)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("rewards.png", "zero_signal.png", "extra_tokens.png", "relays.png", "cost.png", "report.md"):
+        assert (run / "report" / name).stat().st_size > 1000, name

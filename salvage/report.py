@@ -1,0 +1,187 @@
+"""``salvage report RUN_DIR``: PNG plots and a markdown summary of a run.
+
+Reads the newest ``metrics.csv`` under RUN_DIR (CSV logger) and, where present,
+``relays.jsonl`` (VH-GPO) and ``exchange.jsonl`` (GRAFT). Writes into
+``RUN_DIR/report/``: ``rewards.png``, ``zero_signal.png``, ``extra_tokens.png``,
+``relays.png`` (per-relay teacher actions kept vs omitted), ``graft.png`` (transfers per
+direction, compatibility weights), ``cost.png`` (GPU-hours vs score) and ``report.md``.
+A plot whose metrics the run did not log is skipped and named in the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _newest(run_dir: Path, name: str) -> Path | None:
+    files = sorted(run_dir.rglob(name), key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def load_metrics(path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Column -> [(step, value)] for every non-empty cell."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = row.get("step")
+            if step in (None, ""):
+                continue
+            for k, v in row.items():
+                if k in ("step", "epoch") or v in (None, ""):
+                    continue
+                try:
+                    val = float(v)
+                except ValueError:
+                    continue
+                if math.isfinite(val):
+                    series.setdefault(k, []).append((float(step), val))
+    return series
+
+
+def _jsonl(path: Path | None) -> list[dict[str, Any]]:
+    if path is None:
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line after a crash
+    return out
+
+
+def make_report(run_dir: str | Path) -> dict[str, Any]:
+    """Render the plots and the summary; returns {"written": [...], "skipped": {...}}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    mpath = _newest(run, "metrics.csv")
+    if mpath is None:
+        raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
+    m = load_metrics(mpath)
+    relays = _jsonl(_newest(run, "relays.jsonl"))
+    exchange = _jsonl(_newest(run, "exchange.jsonl"))
+    out = run / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    skipped: dict[str, str] = {}
+
+    def plot_lines(name: str, keys: list[str], title: str, ylabel: str) -> None:
+        have = [k for k in keys if k in m]
+        if not have:
+            skipped[name] = f"none of {keys} logged"
+            return
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for k in have:
+            xs, ys = zip(*m[k], strict=True)
+            ax.plot(xs, ys, marker="o", ms=3, label=k)
+        ax.set_xlabel("update")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    plot_lines("rewards.png", ["rollout/reward_mean", "rollout/success_rate", "val/success", "a/rollout/success_rate",
+                               "b/rollout/success_rate"], "reward and success", "value")
+    plot_lines("zero_signal.png", ["rollout/zero_signal_frac"], "zero-signal groups (fraction of the batch)",
+               "fraction")
+    plot_lines("extra_tokens.png", ["cost/extra_tokens_teacher", "cost/extra_tokens_search",
+                                    "cost/extra_tokens_confirm", "cost/extra_tokens_student"],
+               "cumulative extra output tokens", "tokens")
+
+    kept = [r for r in relays if r.get("retained") and r.get("L")]
+    if kept:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        idx = list(range(len(kept)))
+        j = [r["j_star"] for r in kept]
+        omitted = [r["L"] - r["j_star"] for r in kept]
+        ax.bar(idx, j, label="teacher actions kept (j*)", color="tab:blue")
+        ax.bar(idx, omitted, bottom=j, label="omitted (L - j*)", color="tab:orange")
+        ax.set_xlabel("retained relay")
+        ax.set_ylabel("teacher actions")
+        ax.set_title(f"per-relay L vs j* (pooled reduction {1 - sum(j) / sum(r['L'] for r in kept):.0%})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "relays.png", dpi=110)
+        plt.close(fig)
+        written.append("relays.png")
+    else:
+        skipped["relays.png"] = "no retained relay in relays.jsonl"
+
+    if exchange or "graft/transferred_a_to_b" in m:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        for k in ("graft/transferred_a_to_b", "graft/transferred_b_to_a"):
+            if k in m:
+                xs, ys = zip(*m[k], strict=True)
+                axes[0].plot(xs, ys, marker="o", ms=3, label=k)
+        axes[0].set_title("transfers per direction")
+        axes[0].set_xlabel("update")
+        axes[0].legend(fontsize=7)
+        weights = [w for e in exchange for w in e.get("weights", [])]
+        axes[1].hist(weights or [0.0], bins=20, range=(0, 1))
+        axes[1].set_title("compatibility weights")
+        fig.tight_layout()
+        fig.savefig(out / "graft.png", dpi=110)
+        plt.close(fig)
+        written.append("graft.png")
+    else:
+        skipped["graft.png"] = "not a GRAFT run"
+
+    score_key = next((k for k in ("val/aggregate", "val/success", "rollout/success_rate") if k in m), None)
+    if "cost/gpu_hours" in m and score_key:
+        cost = dict(m["cost/gpu_hours"])
+        pts = [(cost[s], v) for s, v in m[score_key] if s in cost]
+        if pts:
+            fig, ax = plt.subplots(figsize=(6, 3.6))
+            ax.plot(*zip(*pts, strict=True), marker="o", ms=3)
+            ax.set_xlabel("GPU-hours (device-hours on CPU)")
+            ax.set_ylabel(score_key)
+            ax.set_title("score vs cost")
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(out / "cost.png", dpi=110)
+            plt.close(fig)
+            written.append("cost.png")
+    if "cost.png" not in written:
+        skipped["cost.png"] = "cost/gpu_hours or a score not logged"
+
+    last = {k: v[-1][1] for k, v in m.items()}
+    lines = [f"# salvage run report: {run}", "", f"metrics: `{mpath.relative_to(run)}`, {len(m)} series", ""]
+    lines += ["| metric | first | last |", "|---|---|---|"]
+    for k in sorted(m):
+        if k.split("/")[0] in ("rollout", "relay", "cost", "loss", "graft", "val", "eval", "sft"):
+            lines.append(f"| {k} | {m[k][0][1]:.4g} | {last[k]:.4g} |")
+    if kept:
+        fr = [r["j_star"] / r["L"] for r in kept]
+        lines += ["", f"retained relays: {len(kept)} of {len(relays)} searched; mean j*/L {sum(fr) / len(fr):.3f}"]
+    lines += ["", "plots: " + ", ".join(f"![{w}]({w})" for w in written)]
+    if skipped:
+        lines += ["", "skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items())]
+    (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    written.append("report.md")
+    return {"written": written, "skipped": skipped, "dir": str(out)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="salvage report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="a run directory (trainer.default_root_dir)")
+    a = ap.parse_args(argv)
+    res = make_report(a.run_dir)
+    print(f"wrote {', '.join(res['written'])} to {res['dir']}")
+    for k, why in res["skipped"].items():
+        print(f"skipped {k}: {why}")
