@@ -6,7 +6,9 @@
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
-- Always on: ``CostTracker`` (GPU-hours) and ``RunSummary`` (a table at the end of fit). One step of the trainer = one RL update.
+- Always on: ``CostTracker`` (GPU-hours) and ``RunSummary`` (a table at the end of fit);
+  unless the config has its own ``ModelCheckpoint``, ``last.ckpt`` is refreshed after every
+  update, so a crashed run resumes with ``salvage fit ... --ckpt_path last``. One step of the trainer = one RL update.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
@@ -38,6 +41,19 @@ class SalvageCLI(LightningCLI):
             },
         )
         super().__init__(*args, **kwargs)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        # crash safety: unless the config brings its own ModelCheckpoint, keep `last.ckpt`
+        # up to date after every update, so `salvage fit --ckpt_path last` loses one step
+        cbs = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_checkpointing", True) is not False and not any(
+            isinstance(c, ModelCheckpoint) for c in cbs
+        ):
+            # one folder per run dir (not per logger version), so "last" is found on resume
+            root = config.get("default_root_dir") or os.getcwd()
+            callbacks = [*callbacks, ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), save_last=True,
+                                                     every_n_train_steps=1, save_top_k=0)]
+        return super()._instantiate_trainer(config, callbacks)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         cfg = self._get(self.config_init, "trainer", default={})

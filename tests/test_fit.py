@@ -119,7 +119,23 @@ def test_cli_fit_math_tiny_writes_metrics_csv(tmp_path):
     assert len(steps) == 2
     gpu_h = [float(r["cost/gpu_hours"]) for r in steps]
     assert 0 < gpu_h[0] < gpu_h[1]  # cumulative
-    assert list(run.glob("**/checkpoints/*.ckpt"))
+    assert list(run.glob("**/checkpoints/last.ckpt"))
+
+
+def test_cli_resume_with_ckpt_path_last(tmp_path):
+    run = tmp_path / "RUN"
+    base = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/grpo/math_tiny.yaml"),
+            "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
+    first = subprocess.run([*base, "--trainer.max_steps", "2"], cwd=tmp_path, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert list(run.glob("**/last.ckpt"))
+    again = subprocess.run([*base, "--trainer.max_steps", "3", "--ckpt_path", "last"], cwd=tmp_path, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    newest = sorted(run.glob("version_*/metrics.csv"))[-1]
+    steps = [r["step"] for r in csv.DictReader(newest.open()) if r.get("perf/step_s")]
+    assert steps == ["2"]  # continued at update 2, did not start over
 
 
 def test_cli_refuses_bad_config_before_loading_anything(tmp_path):

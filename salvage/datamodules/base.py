@@ -36,6 +36,44 @@ def _collate(items: list[int]) -> list[int]:
     return list(items)
 
 
+class StepBatches:
+    """Training batches of task indices where batch k of the run is a pure function of (seed, k).
+
+    Epoch e is one permutation of the tasks (seeded by ``seed`` and e); iteration starts at
+    the trainer's current global step, so a run resumed from a checkpoint (even mid-epoch)
+    sees exactly the batches the uninterrupted run would have seen. Each rank takes its own
+    slice of the global batch (no DistributedSampler needed).
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, trainer: Any) -> None:
+        self.n, self.batch_size, self.seed, self.trainer = n, batch_size, seed, trainer
+        self.world = max(1, trainer.world_size)
+        self.rank = trainer.global_rank
+        self.per_epoch = n // (batch_size * self.world)
+        if self.per_epoch < 1:
+            raise ValueError(
+                f"{batch_size} tasks per step x {self.world} ranks exceed the {n} training tasks"
+            )
+
+    def __len__(self) -> int:
+        return self.per_epoch
+
+    def batch(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.per_epoch)
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        width = self.batch_size * self.world
+        glob = perm[k * width : (k + 1) * width].tolist()
+        return glob[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def __iter__(self) -> Any:
+        start = self.trainer.global_step
+        first_epoch = start // self.per_epoch
+        step = start
+        while step // self.per_epoch == first_epoch:
+            yield self.batch(step)
+            step += 1
+
+
 class RolloutDataModule(L.LightningDataModule):
     """Task lists per split, index dataloaders, the engine on the live policy."""
 
@@ -61,13 +99,8 @@ class RolloutDataModule(L.LightningDataModule):
                 if tasks is not None:
                     self.tasks[split] = tasks
 
-    def train_dataloader(self) -> DataLoader:
-        n = len(self.tasks["train"])
-        if n < self.tasks_per_step:
-            raise ValueError(f"{self.tasks_per_step} tasks per step exceed the {n} training tasks")
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(_Indices(n), batch_size=self.tasks_per_step, shuffle=True, drop_last=True,
-                          generator=gen, collate_fn=_collate)
+    def train_dataloader(self) -> StepBatches:
+        return StepBatches(len(self.tasks["train"]), self.tasks_per_step, self.seed, self.trainer)
 
     def _eval_loader(self, split: str) -> DataLoader | list:
         if split not in self.tasks:

@@ -12,6 +12,7 @@ Lightning's optimiser wrapper, so ``--trainer.max_steps N`` means N updates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -124,9 +125,10 @@ class GRPOModule(L.LightningModule):
         _check(kl_coef >= 0, "model.kl_coef", kl_coef, "must be >= 0")
         _check(max_grad_norm >= 0, "model.max_grad_norm", max_grad_norm, "must be >= 0")
         _check(max_nonfinite_in_a_row >= 1, "model.max_nonfinite_in_a_row", max_nonfinite_in_a_row, "must be >= 1")
-        self.save_hyperparameters()
-        self.automatic_optimization = False
         self.spec = policy or PolicySpec()
+        self.save_hyperparameters()
+        self._plain_hparams()
+        self.automatic_optimization = False
         self.tokenizer = load_tokenizer(self.spec)
         self.policy: torch.nn.Module | None = None
         self._ref: list[torch.nn.Module] = []  # a list keeps it out of state_dict / parameters
@@ -134,6 +136,11 @@ class GRPOModule(L.LightningModule):
         self._nonfinite_in_a_row = 0
         self.skipped_updates = 0
         self._step_log: dict[str, float] = {}
+
+    def _plain_hparams(self) -> None:
+        """Hyper-parameters as plain data, so checkpoints load with ``weights_only=True``."""
+        self.hparams["policy"] = dataclasses.asdict(self.spec)
+        self.hparams["betas"] = list(self.hparams["betas"])
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -152,6 +159,21 @@ class GRPOModule(L.LightningModule):
         """Make the reference the current policy (e.g. after an SFT warm start)."""
         if self._ref:
             self._ref[0].load_state_dict(self.policy.state_dict())
+            self._ref_reset = True
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # the reference is not a parameter of the module; when it is no longer the loaded
+        # checkpoint (a warm start reset it), it must travel with the checkpoint
+        if self._ref and getattr(self, "_ref_reset", False):
+            checkpoint["salvage_reference"] = self._ref[0].state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("salvage_reference")
+        if state is not None:
+            if not self._ref:
+                self.configure_model()
+            self._ref[0].load_state_dict(state)
+            self._ref_reset = True
 
     @property
     def ref_model(self) -> torch.nn.Module | None:

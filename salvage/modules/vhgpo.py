@@ -52,6 +52,7 @@ class VHGPOModule(GRPOModule):
             raise ValueError(f"model.beta={beta!r} must be > 0")
         super().__init__(**kwargs)
         self.save_hyperparameters()
+        self._plain_hparams()
 
     def needs_reference(self) -> bool:
         return super().needs_reference() or self.hparams.lambda_pair > 0
