@@ -9,7 +9,7 @@ from typing import Any
 from salvage.core.grpo import ADVANTAGE_ESTIMATORS
 from salvage.datamodules.base import RolloutDataModule
 from salvage.datamodules.common import assign_advantages, step_seed
-from salvage.rollout.config import EngineConfig
+from salvage.rollout.config import EngineConfig, generate_with_retry
 from salvage.tasks.math import MathData, MathTask, MathVerifyReward, Reward, load_math_tasks
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
 
@@ -123,7 +123,7 @@ class RLVRDataModule(RolloutDataModule):
         t0 = time.perf_counter()
         engine = self.engine
         prompts = [self.prompt_ids(t) for t in tasks]
-        samples = engine.generate(prompts, n=n, seed=seed, temperature=temperature, top_p=top_p)
+        samples = generate_with_retry(engine, prompts, n=n, seed=seed, temperature=temperature, top_p=top_p)
         t_gen = time.perf_counter()
         timeouts_before = self.reward_fn.timeouts
         groups: list[Group] = []

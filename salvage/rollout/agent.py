@@ -23,6 +23,7 @@ from salvage.core.agent import (
     trajectory_reward,
 )
 from salvage.envs.pool import EnvPool
+from salvage.rollout.config import generate_with_retry
 from salvage.types import Trajectory, Turn
 
 
@@ -60,7 +61,7 @@ class LMPolicy:
 
     def respond(self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int) -> list[Response]:
         ids = [self.encode(p) for p in prompts]
-        out = self.engine.generate(ids, n=1, seed=seed, stop=self.fmt.stop)
+        out = generate_with_retry(self.engine, ids, n=1, seed=seed, stop=self.fmt.stop)
         return [
             Response(s.text, s.prompt_ids, s.response_ids, s.logprobs, s.finish_reason)
             for s in (g[0] for g in out)

@@ -54,3 +54,23 @@ def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> A
             logprob_batch_size=cfg.logprob_batch_size,
         )
     raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
+
+
+class RolloutEngineError(RuntimeError):
+    """The rollout engine failed twice on the same request; the step cannot go on."""
+
+
+def generate_with_retry(engine: Any, *args: Any, **kwargs: Any) -> Any:
+    """``engine.generate`` retried once on an error; a second error fails with both causes."""
+    import logging
+
+    try:
+        return engine.generate(*args, **kwargs)
+    except Exception as first:  # noqa: BLE001 - any engine fault gets one retry
+        logging.getLogger(__name__).warning("rollout engine error, retrying once: %r", first)
+        try:
+            return engine.generate(*args, **kwargs)
+        except Exception as second:
+            raise RolloutEngineError(
+                f"rollout engine failed twice: first {first!r}, then {second!r}"
+            ) from second
