@@ -61,6 +61,9 @@ class PolicySpec:
     """``tiny`` only: model width."""
     num_layers: int = 2
     """``tiny`` only: decoder layers."""
+    trainable_layers: int | None = None
+    """Train only the top N decoder layers and the final norm (None: everything). Cuts the
+    backward pass on CPU; embeddings (and a tied LM head) stay frozen."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -69,6 +72,8 @@ class PolicySpec:
             )
         if not self.name_or_path:
             raise ValueError("policy.name_or_path must be set (e.g. 'tiny')")
+        if self.trainable_layers is not None and self.trainable_layers < 1:
+            raise ValueError(f"policy.trainable_layers must be >= 1 or null, got {self.trainable_layers}")
         if self.vocab_size < 300:
             raise ValueError(f"policy.vocab_size must be >= 300 (byte alphabet + specials), got {self.vocab_size}")
 
@@ -127,8 +132,24 @@ def load_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Modul
             trust_remote_code=spec.trust_remote_code,
         )
     model = model.to(dtype)
+    if spec.trainable_layers is not None:
+        freeze_below(model, spec.trainable_layers)
     model.train()
     return model
+
+
+def freeze_below(model: torch.nn.Module, top: int) -> None:
+    """Freeze every parameter except the top ``top`` decoder layers and the final norm."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"policy.trainable_layers: {type(model).__name__} has no .model.layers to select from")
+    model.requires_grad_(False)
+    for layer in list(layers)[-top:]:
+        layer.requires_grad_(True)
+    norm = getattr(inner, "norm", None)
+    if norm is not None:
+        norm.requires_grad_(True)
 
 
 def load_policy(spec: PolicySpec) -> tuple[torch.nn.Module, Any]:

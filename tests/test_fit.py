@@ -145,3 +145,20 @@ def test_cli_refuses_bad_config_before_loading_anything(tmp_path):
     assert proc.returncode != 0
     assert "clip_eps_low" in proc.stderr and "1.5" in proc.stderr
     assert not list(tmp_path.glob("**/metrics.csv"))
+
+
+def test_trainable_layers_freezes_the_rest(tmp_path):
+    spec = PolicySpec("tiny", num_layers=2, trainable_layers=1)
+    module = GRPOModule(policy=spec, lr=1e-2, num_minibatches=1, micro_batch_size=8)
+    module.configure_model()
+    trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("model.layers.1.", "model.norm")) for n in trainable)
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    data = RLVRDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=2,
+                          group_size=4, engine=EngineConfig(max_new_tokens=12), reward=DigitFraction())
+    L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False).fit(module, datamodule=data)
+    for n, p in module.policy.named_parameters():
+        assert torch.equal(p, before[n]) == (n not in trainable), n
+    with pytest.raises(ValueError, match="trainable_layers must be >= 1"):
+        PolicySpec("tiny", trainable_layers=0)

@@ -116,3 +116,25 @@ def test_shared_math_files_load_as_they_are(name, n):
     tasks, _ = load_math_tasks(MathData(source=str(p)))
     assert len(tasks) == n
     assert all(t.answer for t in tasks)
+
+
+def test_eval_harness_on_a_slice_of_each_benchmark_prints_the_table(tmp_path):
+    """`salvage test` with `tiny` on 5 problems of each of the 5 benchmarks (numbers ~0)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shared_data("math/math500.jsonl")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "salvage.cli", "test", "--config", "configs/grpo/math_tiny.yaml", "--config",
+         "configs/eval/math5_slice.yaml", "--data.init_args.val_samples", "2", "--data.init_args.engine.max_new_tokens",
+         "16", "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.replace("│", " ")
+    for name in ("math500", "aime2024", "aime2025", "amc23", "minerva"):
+        assert f"eval/success/{name}" in out, name
+    assert "eval/aggregate" in out

@@ -26,7 +26,10 @@ class RLVRDataModule(RolloutDataModule):
         prompts_per_step: prompts per rollout batch (per rank).
         group_size: samples per prompt (G / n).
         engine: sampling settings for training rollouts.
-        val_temperature / val_top_p / val_samples: evaluation sampling (pass@1 over samples).
+        val / test: one or several benchmarks (a list: the evaluation harness; each gets
+            ``val/success/<name>`` = pass@1 and ``val/aggregate`` = their unweighted mean).
+        val_temperature / val_top_p / val_samples: evaluation sampling (pass@1 over samples;
+            SPEC §3.4: 0.6, 0.95, 8).
         advantage: ``grpo`` (std-normalised), ``drgrpo`` (no std) or ``rloo``.
         adv_eps: epsilon of the std normalisation.
         reward_tol / adv_tol: tolerances of the zero-signal test (SPEC §1).
@@ -38,8 +41,8 @@ class RLVRDataModule(RolloutDataModule):
     def __init__(
         self,
         train: MathData | None = None,
-        val: MathData | None = None,
-        test: MathData | None = None,
+        val: MathData | list[MathData] | None = None,
+        test: MathData | list[MathData] | None = None,
         prompts_per_step: int = 8,
         group_size: int = 4,
         engine: EngineConfig | None = None,
@@ -87,8 +90,22 @@ class RLVRDataModule(RolloutDataModule):
         data = {"train": self.train_data, "val": self.val_data, "test": self.test_data or self.val_data}[split]
         if data is None:
             return None
-        tasks, self.data_report[split] = load_math_tasks(data)
+        sources = data if isinstance(data, list) else [data]
+        tasks: list[MathTask] = []
+        reports = []
+        for src in sources:
+            part, rep = load_math_tasks(src)
+            tasks += part
+            reports.append(rep)
+        self.data_report[split] = reports
         return tasks
+
+    def benchmarks(self, split: str) -> list[str]:
+        """Names of the benchmarks of an evaluation split, in config order."""
+        seen: dict[str, None] = {}
+        for t in self.tasks.get(split, []):
+            seen.setdefault(t.meta.get("family", ""), None)
+        return list(seen)
 
     def prompt_ids(self, task: MathTask) -> list[int]:
         ids = self._prompt_cache.get(task.id)

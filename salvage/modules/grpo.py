@@ -463,6 +463,29 @@ class GRPOModule(L.LightningModule):
             m.update("env/errors", st["env_errors"])
 
     # ------------------------------------------------------------------ eval
+    def on_validation_epoch_start(self) -> None:
+        self._eval_acc: dict[str, list[float]] = {}
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_aggregate("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_aggregate("eval")
+
+    def _log_aggregate(self, prefix: str) -> None:
+        """``<prefix>/aggregate``: unweighted mean over benchmarks (families) of pass@1 (SPEC §3.4)."""
+        acc = getattr(self, "_eval_acc", {})
+        if len(acc) < 1:
+            return
+        names = sorted(acc)
+        t = torch.tensor([[acc[n][0], acc[n][1]] for n in names], dtype=torch.float64, device=self.device)
+        if self.trainer.world_size > 1:
+            t = self.all_gather(t).sum(0)
+        per = (t[:, 0] / t[:, 1].clamp(min=1)).tolist()
+        self.log(f"{prefix}/aggregate", sum(per) / len(per), on_step=False, on_epoch=True, rank_zero_only=True)
+
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
@@ -484,9 +507,15 @@ class GRPOModule(L.LightningModule):
             fam = g.task.get("family")
             if fam:
                 by_family.setdefault(str(fam), []).extend(float(t.success) for t in g.trajectories)
+        acc = getattr(self, "_eval_acc", None)
+        if acc is None:
+            acc = self._eval_acc = {}
         for fam, vals in by_family.items():
             self.log(f"{prefix}/success/{fam}", sum(vals) / len(vals), on_step=False, on_epoch=True,
                      batch_size=len(vals))
+            a = acc.setdefault(fam, [0.0, 0.0])
+            a[0] += sum(vals)
+            a[1] += len(vals)
 
 
 def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,8 @@ class MathData:
 
     source: str = "reasoning_gym:basic_arithmetic"
     """``reasoning_gym:<task>``, or a path to a .jsonl / .parquet file."""
+    name: str | None = None
+    """Benchmark name for per-benchmark metrics (default: the file stem or task name)."""
     size: int = 1000
     """reasoning-gym only: number of generated tasks."""
     seed: int = 0
@@ -174,9 +176,11 @@ def load_math_tasks(data: MathData) -> tuple[list[MathTask], dict[str, Any]]:
         stem = path.stem
     tasks: list[MathTask] = []
     skipped: list[str] = []
+    bench = data.name or stem
     for i, row in enumerate(rows):
         try:
             tasks.append(_row_to_task(row, i, stem, data))
+            tasks[-1].meta["family"] = bench
         except (KeyError, TypeError, ValueError) as e:
             skipped.append(f"row {i}: {e}")
         if data.limit is not None and len(tasks) >= data.limit:
