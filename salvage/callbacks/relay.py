@@ -357,10 +357,17 @@ def _action_target(prompt_ids: list[int], response: str, tok: Any, fmt: Any) -> 
     action, _ = parse_action(response, fmt)
     enc = tok(response, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
-    start = response.rfind(action) if action else -1
-    if start < 0:
+    tagged = list(fmt._action_re.finditer(response))
+    if tagged:  # the span inside the (last) action tag, surrounding spaces excluded
+        m = tagged[-1]
+        inner = m.group(1)
+        start = m.start(1) + (len(inner) - len(inner.lstrip()))
+        end = m.end(1) - (len(inner) - len(inner.rstrip()))
+    else:  # no tag: the text the environment received
+        start = response.rfind(action) if action else -1
+        end = start + len(action)
+    if start < 0 or end <= start:
         return SeqTarget(prompt_ids, ids, None)
-    end = start + len(action)
     mask = [1 if (a < end and b > start) else 0 for a, b in enc["offset_mapping"]]
     return SeqTarget(prompt_ids, ids, mask if any(mask) else None)
 

@@ -136,6 +136,10 @@ class GRPOModule(L.LightningModule):
         self._nonfinite_in_a_row = 0
         self.skipped_updates = 0
         self._step_log: dict[str, float] = {}
+        self._opt: Any = None
+        self._step = 0
+        self._count_step = True
+        self.total_steps_hint: int | None = None
 
     def _plain_hparams(self) -> None:
         """Hyper-parameters as plain data, so checkpoints load with ``weights_only=True``."""
@@ -197,6 +201,7 @@ class GRPOModule(L.LightningModule):
         if hp.lr_schedule == "constant":
             return 1.0
         total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        total = total or self.total_steps_hint
         if not total or total <= hp.warmup_steps:
             return 1.0
         frac = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
@@ -250,17 +255,29 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ update
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        values = self.update(batch, self.optimizers(), self.lr_schedulers(), self.global_step)
+        self.record(values)
+        for k in ("rollout/reward_mean", "loss/policy"):
+            if k in values:
+                self.log(k.split("/")[1], values[k], on_step=True, on_epoch=False, prog_bar=True, logger=False)
+
+    def update(self, batch: RolloutBatch, opt: Any, sched: Any, step: int, count_step: bool = True) -> dict[str, float]:
+        """One RL update of this policy on ``batch``; returns the step's metrics.
+
+        ``opt``/``sched`` are this policy's (Lightning-wrapped) optimiser and scheduler;
+        ``count_step=False`` keeps Lightning's step counter untouched (a second policy in
+        the same update, GRAFT). Callable on a module that is not attached to a trainer.
+        """
         hp = self.hparams
+        self._opt, self._step, self._count_step = opt, step, count_step
         self.log_rollout(batch)
         rows, per_traj = self.rows_from_batch(batch)
         has_aux = self.has_aux(batch)
         if not rows and not has_aux:
-            log.warning("step %d: rollout batch has no trainable tokens; update skipped", self.global_step)
-            self._finish_update()
-            return
+            log.warning("step %d: rollout batch has no trainable tokens; update skipped", step)
+            return self._finish_update(opt, sched)
         ref_lp = self._ref_logprobs(rows, batch.temperature) if hp.kl_coef > 0 and rows else None
-        minibatches = self._minibatches(per_traj) or [[]]
-        opt = self.optimizers()
+        minibatches = self._minibatches(per_traj, batch) or [[]]
         t0 = time.perf_counter()
         tokens = 0
         for k, mb in enumerate(minibatches):
@@ -278,7 +295,7 @@ class GRPOModule(L.LightningModule):
                 self._optimizer_step(opt, last=True)
         dt = time.perf_counter() - t0
         self.step_metrics.update("perf/update_tokens_per_s", tokens / max(dt, 1e-9))
-        self._finish_update()
+        return self._finish_update(opt, sched)
 
     def has_aux(self, batch: RolloutBatch) -> bool:
         """Whether the batch carries auxiliary training data (subclasses)."""
@@ -288,10 +305,18 @@ class GRPOModule(L.LightningModule):
         """Backpropagate auxiliary losses; return their (detached) total, or None."""
         return None
 
-    def _minibatches(self, per_traj: list[list[int]]) -> list[list[int]]:
+    def _minibatches(self, per_traj: list[list[int]], batch: RolloutBatch | None = None) -> list[list[int]]:
+        fixed = batch.extras.get("minibatch_groups") if batch is not None else None
+        if fixed is not None:
+            # the caller fixed the minibatches by groups (GRAFT's peer-last order)
+            first, spans = 0, []
+            for g in batch.groups:
+                spans.append(range(first, first + len(g.trajectories)))
+                first += len(g.trajectories)
+            return [[r for gi in mb for t in spans[gi] for r in per_traj[t]] for mb in fixed]
         order = list(range(len(per_traj)))
         if self.hparams.shuffle_minibatches:
-            g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self.global_step)
+            g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self._step)
             order = torch.randperm(len(per_traj), generator=g).tolist()
         order = [t for t in order if per_traj[t]]
         k = min(self.hparams.num_minibatches, len(order))
@@ -360,13 +385,13 @@ class GRPOModule(L.LightningModule):
             finite = aux is None or bool(torch.isfinite(aux))
         grad_norm = self._clip_and_norm()
         if not finite or not math.isfinite(grad_norm):
-            self.optimizers().zero_grad(set_to_none=True)
+            self._opt.zero_grad(set_to_none=True)
             self._nonfinite_in_a_row += 1
             self.skipped_updates += 1
             self.step_metrics.update("train/skipped_updates", 1.0)
             log.warning(
                 "step %d: non-finite %s; minibatch update skipped (%d in a row)",
-                self.global_step, "loss" if not finite else "gradient", self._nonfinite_in_a_row,
+                self._step, "loss" if not finite else "gradient", self._nonfinite_in_a_row,
             )
             if self._nonfinite_in_a_row >= hp.max_nonfinite_in_a_row:
                 raise NonFiniteLossError(
@@ -404,22 +429,18 @@ class GRPOModule(L.LightningModule):
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _optimizer_step(self, opt: Any, last: bool) -> None:
-        if last:
+        if last and self._count_step:
             opt.step()  # through Lightning: counts one global step per rollout batch
         else:
-            opt.optimizer.step()
+            getattr(opt, "optimizer", opt).step()
         opt.zero_grad(set_to_none=True)
 
-    def _finish_update(self) -> None:
-        sched = self.lr_schedulers()
+    def _finish_update(self, opt: Any, sched: Any) -> dict[str, float]:
         if sched is not None:
             sched.step()
         values = self.step_metrics.compute()
-        values["train/lr"] = float(self.optimizers().param_groups[0]["lr"])
-        self.record(values)
-        for k in ("rollout/reward_mean", "loss/policy"):
-            if k in values:
-                self.log(k.split("/")[1], values[k], on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        values["train/lr"] = float(opt.param_groups[0]["lr"])
+        return values
 
     # ------------------------------------------------------------------ step logging
     def record(self, values: dict[str, float]) -> None:
