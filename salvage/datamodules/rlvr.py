@@ -84,7 +84,7 @@ class RLVRDataModule(RolloutDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.reward_fn: Reward = reward or MathVerifyReward()
         self.data_report: dict[str, Any] = {}
-        self._prompt_cache: dict[str, list[int]] = {}
+        self._prompt_cache: dict[tuple[int, str], list[int]] = {}
 
     def load_split(self, split: str) -> list[MathTask] | None:
         data = {"train": self.train_data, "val": self.val_data, "test": self.test_data or self.val_data}[split]
@@ -107,15 +107,16 @@ class RLVRDataModule(RolloutDataModule):
             seen.setdefault(t.meta.get("family", ""), None)
         return list(seen)
 
-    def prompt_ids(self, task: MathTask) -> list[int]:
-        ids = self._prompt_cache.get(task.id)
+    def prompt_ids(self, task: MathTask, tokenizer: Any = None) -> list[int]:
+        tok = tokenizer if tokenizer is not None else self.trainer.lightning_module.tokenizer
+        key = (id(tok), task.id)
+        ids = self._prompt_cache.get(key)
         if ids is None:
-            tok = self.trainer.lightning_module.tokenizer
             text = tok.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
             ids = list(tok(text, add_special_tokens=False)["input_ids"])
             if len(ids) > self.max_prompt_tokens:
                 ids = ids[-self.max_prompt_tokens :]
-            self._prompt_cache[task.id] = ids
+            self._prompt_cache[key] = ids
         return ids
 
     def train_rollout(self, tasks: list[MathTask]) -> RolloutBatch:
@@ -135,11 +136,16 @@ class RLVRDataModule(RolloutDataModule):
         temperature: float | None = None,
         top_p: float | None = None,
         advantages: bool = True,
+        engine: Any = None,
+        tokenizer: Any = None,
     ) -> RolloutBatch:
-        """Sample ``n`` responses per task, score them, group them, compute advantages."""
+        """Sample ``n`` responses per task, score them, group them, compute advantages.
+
+        ``engine`` / ``tokenizer``: another policy's (two-model runs); default the module's.
+        """
         t0 = time.perf_counter()
-        engine = self.engine
-        prompts = [self.prompt_ids(t) for t in tasks]
+        engine = engine if engine is not None else self.engine
+        prompts = [self.prompt_ids(t, tokenizer) for t in tasks]
         samples = generate_with_retry(engine, prompts, n=n, seed=seed, temperature=temperature, top_p=top_p)
         t_gen = time.perf_counter()
         timeouts_before = self.reward_fn.timeouts

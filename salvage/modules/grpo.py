@@ -45,6 +45,7 @@ TRAIN_METRICS = (
     "loss/kl",
     "loss/total",
     "loss/clip_frac",
+    "loss/peer_clip_frac",
     "loss/ratio_mean",
     "train/grad_norm",
     "train/skipped_updates",
@@ -63,6 +64,7 @@ class _Row:
     advantage: float
     weight: float
     seq: int
+    peer: bool = False
 
 
 class NonFiniteLossError(RuntimeError):
@@ -112,6 +114,7 @@ class GRPOModule(L.LightningModule):
         max_nonfinite_in_a_row: int = 3,
         seed: int = 0,
     ) -> None:
+        init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         _check(lr > 0, "model.lr", lr, "must be > 0")
         _check(lr_schedule in LR_SCHEDULES, "model.lr_schedule", lr_schedule, f"must be one of {LR_SCHEDULES}")
@@ -126,7 +129,8 @@ class GRPOModule(L.LightningModule):
         _check(max_grad_norm >= 0, "model.max_grad_norm", max_grad_norm, "must be >= 0")
         _check(max_nonfinite_in_a_row >= 1, "model.max_nonfinite_in_a_row", max_nonfinite_in_a_row, "must be >= 1")
         self.spec = policy or PolicySpec()
-        self.save_hyperparameters()
+        # explicit (no frame inspection): the module may be built inside another's __init__
+        self.save_hyperparameters(init_args)
         self._plain_hparams()
         self.automatic_optimization = False
         self.tokenizer = load_tokenizer(self.spec)
@@ -227,6 +231,7 @@ class GRPOModule(L.LightningModule):
                         advantage=traj.advantage,
                         weight=traj.weight,
                         seq=seq,
+                        peer=traj.source != "self",
                     )
                 )
             per_traj.append(idx)
@@ -349,7 +354,7 @@ class GRPOModule(L.LightningModule):
         seq = torch.tensor([r.seq for r in rows], dtype=torch.long)
         agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg) if rows else None
         per_row_w = [agg[i, : int(lengths[i])] for i in range(len(rows))]
-        stats = {"policy": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0}
+        stats = {"policy": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "peer_clip": 0.0, "peer_w": 0.0}
         mbs = hp.micro_batch_size
         finite = True
         for s in range(0, len(rows), mbs):
@@ -379,6 +384,10 @@ class GRPOModule(L.LightningModule):
             self.backward_loss(loss)
             stats["policy"] += float(pol.detach())
             stats["clip"] += float((aw * clipped).sum().detach())
+            if any(r.peer for r in part):
+                pm = torch.tensor([float(r.peer) for r in part], device=aw.device)[:, None] * aw
+                stats["peer_clip"] += float((pm * clipped).sum().detach())
+                stats["peer_w"] += float(pm.sum().detach())
             stats["ratio"] += float((aw * ratio).sum().detach())
         if finite and extra is not None:
             aux = extra()
@@ -407,6 +416,8 @@ class GRPOModule(L.LightningModule):
             return True
         self.step_metrics.update("loss/policy", stats["policy"], n_tok)
         self.step_metrics.update("loss/clip_frac", stats["clip"], n_tok)
+        if stats["peer_w"] > 0:
+            self.step_metrics.update("loss/peer_clip_frac", stats["peer_clip"] / stats["peer_w"], stats["peer_w"])
         self.step_metrics.update("loss/ratio_mean", stats["ratio"], n_tok)
         if ref_lp is not None:
             self.step_metrics.update("loss/kl", stats["kl"], n_tok)

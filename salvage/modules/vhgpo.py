@@ -51,8 +51,8 @@ class VHGPOModule(GRPOModule):
         if beta <= 0:
             raise ValueError(f"model.beta={beta!r} must be > 0")
         super().__init__(**kwargs)
-        self.save_hyperparameters()
-        self._plain_hparams()
+        self.save_hyperparameters({**self.hparams, "beta": beta, "lambda_pair": lambda_pair,
+                                   "lambda_bridge": lambda_bridge, "lambda_resume": lambda_resume})
 
     def needs_reference(self) -> bool:
         return super().needs_reference() or self.hparams.lambda_pair > 0

@@ -1,0 +1,264 @@
+"""GRAFTModule: two policies co-train; all-failure groups receive the peer's whole group (SPEC §3).
+
+Policies A and B have their own parameters, tokenizers, optimisers (and learning rates).
+Each step both see the same prompts (``GraftDataModule``). Per direction A -> B, a prompt
+is complementary when B solved none and A solved some but not all (``core.graft``);
+after balancing, B's group on that prompt is replaced by A's full group:
+
+- responses travel as text with A's generation log-probs and are re-tokenised by B;
+- the advantages are A's, computed inside A's group, fixed;
+- the weight is ``w = min(s, 1)`` if ``s > delta`` else 0 with
+  ``s = exp(lbar_B - lbar_A)`` (``lbar_B``: B's pi_old mean token log-prob of its
+  re-tokenisation, ``lbar_A``: the exchanged generation log-probs);
+- B's loss on them is the clipped surrogate with B's own token ratio pi_B / pi_old_B,
+  times w, token-mean over the minibatch; minibatches holding peer groups run last.
+
+Each policy's update is ``GRPOModule.update`` (the exact GRPO path), with the groups'
+minibatch assignment fixed by the exchange order. Metrics: ``a/...``, ``b/...`` (each
+policy's rollout and loss metrics) and ``graft/...``; ``exchange.jsonl`` in the run
+directory records every step's transfers and weights.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from salvage.core.graft import (
+    BALANCE,
+    ORDERS,
+    Transfers,
+    compat_weight,
+    compatibility,
+    mean_logprob,
+    order_groups,
+    select_transfers,
+    split_minibatches,
+)
+from salvage.datamodules.common import step_seed
+from salvage.lm import response_logprobs
+from salvage.models import PolicySpec
+from salvage.modules.grpo import GRPOModule
+from salvage.types import Group, RolloutBatch, Trajectory, Turn
+
+
+class GRAFTModule(L.LightningModule):
+    """Two-model co-training with trajectory exchange.
+
+    Args:
+        policy_a / policy_b: the two models (different sizes and tokenizers allowed).
+        lr / lr_b: learning rates (``lr_b`` None: same as ``lr``).
+        num_minibatches, micro_batch_size, clip_eps_low, clip_eps_high, loss_agg, kl_coef,
+            max_grad_norm, weight_decay: as GRPOModule, for both policies.
+        exchange: False turns GRAFT into two independent GRPO runs (baseline).
+        balance / rho: direction balancing (``min_ratio``, ours, or ``none``).
+        delta / gate / floor: compatibility weighting (``gate=False``: w = 1;
+            ``floor=False``: w = min(s, 1)).
+        order: ``peer-last`` (default), ``peer-first`` or ``uniform`` minibatch order.
+        seed: seed of the balancing and ordering streams.
+    """
+
+    def __init__(
+        self,
+        policy_a: PolicySpec | None = None,
+        policy_b: PolicySpec | None = None,
+        lr: float = 1e-6,
+        lr_b: float | None = None,
+        weight_decay: float = 0.0,
+        num_minibatches: int = 4,
+        micro_batch_size: int = 8,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.28,
+        loss_agg: str = "token-mean",
+        kl_coef: float = 0.0,
+        max_grad_norm: float = 1.0,
+        exchange: bool = True,
+        balance: str = "min_ratio",
+        rho: float = 1.0,
+        delta: float = 0.8,
+        gate: bool = True,
+        floor: bool = True,
+        order: str = "peer-last",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if balance not in BALANCE:
+            raise ValueError(f"model.balance must be one of {BALANCE}, got {balance!r}")
+        if order not in ORDERS:
+            raise ValueError(f"model.order must be one of {ORDERS}, got {order!r}")
+        if not 0 < delta <= 1:
+            raise ValueError(f"model.delta={delta!r} must be in (0, 1]")
+        if rho <= 0:
+            raise ValueError(f"model.rho={rho!r} must be > 0")
+        self.automatic_optimization = False
+        common = dict(weight_decay=weight_decay, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size,
+                      clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg, kl_coef=kl_coef,
+                      max_grad_norm=max_grad_norm, shuffle_minibatches=False, seed=seed)
+        self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **common)
+        self.b = GRPOModule(policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1), lr=lr_b or lr, **common)
+        self.save_hyperparameters(ignore=["policy_a", "policy_b"])
+        self.hparams["policy_a"] = self.a.hparams["policy"]
+        self.hparams["policy_b"] = self.b.hparams["policy"]
+        self._step_log: dict[str, float] = {}
+        self._records: Path | None = None
+
+    def learner(self, name: str) -> GRPOModule:
+        return {"a": self.a, "b": self.b}[name]
+
+    @property
+    def tokenizer(self) -> Any:  # the datamodule's default (A's); GRAFT passes each explicitly
+        return self.a.tokenizer
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.a.policy
+
+    def configure_model(self) -> None:
+        self.a.configure_model()
+        self.b.configure_model()
+
+    def configure_optimizers(self) -> Any:
+        return [self.a.configure_optimizers(), self.b.configure_optimizers()]
+
+    def on_fit_start(self) -> None:
+        for lr in (self.a, self.b):
+            lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
+            if lr.ref_model is not None:
+                lr.ref_model.to(self.device)
+
+    # ------------------------------------------------------------------ exchange
+    def receive(self, src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule,
+                ) -> list[float]:
+        """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted."""
+        hp = self.hparams
+        tok = receiver.tokenizer
+        weights: list[float] = []
+        for q in prompts:
+            sg, dg = src.groups[q], dst.groups[q]
+            prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
+            resp = []
+            for t in sg.trajectories:
+                turn = t.turns[0]
+                ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
+                if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # it ended, not truncated
+                    ids.append(int(tok.eos_token_id))
+                resp.append(ids or [int(tok.eos_token_id)])
+            old = response_logprobs(receiver.policy, [prompt] * len(resp), resp, int(tok.pad_token_id),
+                                    temperature=dst.temperature, batch_size=receiver.hparams.micro_batch_size)
+            trajs = []
+            for t, ids, lp in zip(sg.trajectories, resp, old, strict=True):
+                s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
+                w = compat_weight(s, hp.delta, hp.gate, hp.floor)
+                weights.append(w)
+                trajs.append(Trajectory(
+                    turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
+                    reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
+                    info={"compat": s},
+                ))
+            dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True})
+        return weights
+
+    def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
+        is_peer = [bool(g.info.get("peer")) for g in batch.groups]
+        order = order_groups(is_peer, self.hparams.order, rng)
+        batch.extras["minibatch_groups"] = split_minibatches(order, self.hparams.num_minibatches)
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        hp = self.hparams
+        ra, rb = batch.extras["a"], batch.extras["b"]
+        n = max((len(g.trajectories) for g in ra.groups), default=0)
+        rng = random.Random(step_seed(hp.seed, self.global_step, 21))
+        if hp.exchange:
+            k_a = [sum(g.successes) for g in ra.groups]
+            k_b = [sum(g.successes) for g in rb.groups]
+            tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
+        else:
+            tr = Transfers([], [], 0, 0)
+        # B receives from A and A from B, each from the other's own (pre-exchange) groups
+        own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
+        own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
+        w_b = self.receive(own_a, rb, tr.a_to_b, self.b)
+        w_a = self.receive(own_b, ra, tr.b_to_a, self.a)
+        self._order(ra, rng)
+        self._order(rb, rng)
+        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
+        va = self.a.update(ra, opt_a, sch_a, self.global_step, count_step=False)
+        vb = self.b.update(rb, opt_b, sch_b, self.global_step, count_step=True)
+        weights = w_a + w_b
+        values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
+        values.update({
+            "graft/transferred_a_to_b": float(len(tr.a_to_b)),
+            "graft/transferred_b_to_a": float(len(tr.b_to_a)),
+            "graft/complementary_a_to_b": float(tr.m_ab),
+            "graft/complementary_b_to_a": float(tr.m_ba),
+            "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights)) if weights else 0.0,
+            "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
+        })
+        peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
+        if peer:
+            values["graft/peer_clip_frac"] = sum(peer) / len(peer)
+        self._step_log.update(values)
+        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
+        self._write({"step": self.global_step - 1, "a_to_b": tr.a_to_b, "b_to_a": tr.b_to_a, "m_ab": tr.m_ab,
+                     "m_ba": tr.m_ba, "weights": weights})
+
+    def record(self, values: dict[str, float]) -> None:
+        """Callbacks' step metrics (cost, ...) go out with the module's, once per update."""
+        self._step_log.update({k: float(v) for k, v in values.items()})
+        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_log:
+            for lg in self.loggers:
+                lg.log_metrics(dict(self._step_log), step=self.global_step - 1)
+            self._step_log = {}
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self.trainer.global_rank != 0:
+            return
+        if self._records is None:
+            self._records = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "exchange.jsonl"
+            self._records.parent.mkdir(parents=True, exist_ok=True)
+        with self._records.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    # ------------------------------------------------------------------ eval
+    def on_validation_epoch_start(self) -> None:
+        self._eval_acc: dict[str, dict[str, list[float]]] = {"a": {}, "b": {}}
+
+    on_test_epoch_start = on_validation_epoch_start
+
+    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self._eval_step(batch, "eval")
+
+    def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
+        for name in ("a", "b"):
+            part = batch.extras[name]
+            acc = self._eval_acc[name]
+            for g in part.groups:
+                a = acc.setdefault(str(g.task.get("family", "all")), [0.0, 0.0])
+                a[0] += sum(t.success for t in g.trajectories)
+                a[1] += len(g.trajectories)
+
+    def _eval_end(self, prefix: str) -> None:
+        for name, acc in self._eval_acc.items():
+            if not acc:
+                continue
+            per = {fam: v[0] / max(v[1], 1) for fam, v in acc.items()}
+            for fam, v in per.items():
+                self.log(f"{name}/{prefix}/success/{fam}", v, on_epoch=True)
+            self.log(f"{name}/{prefix}/aggregate", sum(per.values()) / len(per), on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_end("eval")

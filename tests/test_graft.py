@@ -1,0 +1,134 @@
+"""GRAFT shell: the cross-tokenizer exchange between two real tiny models, and a fit."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from salvage.core.graft import compat_weight
+from salvage.datamodules.common import assign_advantages
+from salvage.datamodules.graft import GraftDataModule
+from salvage.models import PolicySpec
+from salvage.modules.graft import GRAFTModule
+from salvage.rollout.config import EngineConfig
+from salvage.rollout.hf import HFEngine
+from salvage.tasks.math import MathData
+from salvage.types import Group, RolloutBatch, Trajectory, Turn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _group(samples, successes, task_id="q0"):
+    trajs = [Trajectory(turns=[Turn(s.prompt_ids, s.response_ids, s.logprobs, response_text=s.text,
+                                    finish_reason=s.finish_reason)], reward=float(ok), success=ok)
+             for s, ok in zip(samples, successes, strict=True)]
+    g = Group(task_id=task_id, trajectories=trajs, task={"answer": "7"})
+    assign_advantages(g, "grpo", 1e-6, 1e-6, 1e-6)
+    return g
+
+
+def _prompt(tok, text="What is 3 + 4?"):
+    s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return list(tok(s, add_special_tokens=False)["input_ids"])
+
+
+def test_cross_tokenizer_exchange_between_two_tiny_models():
+    module = GRAFTModule(policy_a=PolicySpec("tiny", vocab_size=768), policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
+                         delta=0.8)
+    module.configure_model()
+    ta, tb = module.a.tokenizer, module.b.tokenizer
+    text = "The answer is \\boxed{7} because 3 + 4 = 7 and you take the coin"
+    assert len(ta(text)["input_ids"]) != len(tb(text)["input_ids"])  # two different vocabularies
+    pa, pb = _prompt(ta), _prompt(tb)
+    sa = HFEngine(module.a.policy, ta, max_new_tokens=10).generate([pa], n=4, seed=3)[0]
+    sb = HFEngine(module.b.policy, tb, max_new_tokens=10).generate([pb], n=4, seed=4)[0]
+    src = RolloutBatch(groups=[_group(sa, [True, False, True, False])])
+    dst = RolloutBatch(groups=[_group(sb, [False] * 4)])
+    src_adv = [t.advantage for t in src.groups[0].trajectories]
+    weights = module.receive(src, dst, [0], module.b)
+    got = dst.groups[0]
+    assert got.info["peer"] and len(got.trajectories) == 4
+    module.b.policy.eval()
+    for s, t, w in zip(sa, got.trajectories, weights, strict=True):
+        turn = t.turns[0]
+        want_ids = list(tb(s.text, add_special_tokens=False)["input_ids"])
+        if s.finish_reason == "stop":
+            want_ids.append(tb.eos_token_id)
+        assert turn.response_ids == want_ids and turn.prompt_ids == pb  # B's tokens, B's prompt format
+        with torch.no_grad():  # B's pi_old log-probs by an independent teacher-forced pass
+            ids = torch.tensor([pb + want_ids])
+            lp = torch.log_softmax(module.b.policy(input_ids=ids).logits[0, :-1].float(), -1)
+            lp = lp.gather(-1, ids[0, 1:, None]).squeeze(-1)[len(pb) - 1 :]
+        assert turn.logprobs == pytest.approx(lp.tolist(), abs=1e-5)
+        s_expected = math.exp(lp.mean().item() - sum(s.logprobs) / len(s.logprobs))
+        assert t.info["compat"] == pytest.approx(s_expected, rel=1e-5)
+        assert w == t.weight == compat_weight(s_expected, 0.8)
+        assert t.source == "peer"
+    assert [t.advantage for t in got.trajectories] == src_adv  # the source's advantages, fixed
+    assert [t.success for t in got.trajectories] == [True, False, True, False]
+
+
+class ScriptedOutcomes(GraftDataModule):
+    """Real rollouts of both models; outcomes overwritten so that prompt 0 is complementary
+    A -> B (A: 1 of 4 solved, B: none) and prompt 1 B -> A (B: 2 of 4, A: none)."""
+
+    def train_rollout(self, tasks):
+        batch = super().train_rollout(tasks)
+        plan = {"a": [[1, 0, 0, 0], [0, 0, 0, 0]], "b": [[0, 0, 0, 0], [1, 1, 0, 0]]}
+        for name, rows in plan.items():
+            for g, succ in zip(batch.extras[name].groups, rows + [[0] * 4] * 8, strict=False):
+                for t, ok in zip(g.trajectories, succ, strict=True):
+                    t.success, t.reward = bool(ok), float(ok)
+                assign_advantages(g, "grpo", 1e-6, 1e-6, 1e-6)
+        return batch
+
+
+class CaptureOrder(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.order = {n: batch.extras[n].extras["minibatch_groups"] for n in ("a", "b")}
+        self.peer = {n: [i for i, g in enumerate(batch.extras[n].groups) if g.info.get("peer")] for n in ("a", "b")}
+
+
+def test_fit_exchanges_both_directions_peer_last(tmp_path):
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
+    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
+                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    cap = CaptureOrder()
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=CSVLogger(tmp_path, name=""), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap])
+    trainer.fit(module, datamodule=data)
+    m = trainer.callback_metrics
+    assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
+    assert float(m["graft/weight_mean"]) == 1.0  # gate off: w = 1
+    assert cap.peer == {"a": [1], "b": [0]}
+    # peer-last: the received group sits in the last minibatch of each receiver
+    assert cap.order["b"][-1][-1] == 0 and 0 not in cap.order["b"][0]
+    assert cap.order["a"][-1][-1] == 1
+    assert "b/loss/peer_clip_frac" in m and "a/loss/peer_clip_frac" in m
+    rec = [json.loads(x) for x in Path(trainer.log_dir, "exchange.jsonl").read_text().splitlines()]
+    assert rec[0]["a_to_b"] == [0] and rec[0]["b_to_a"] == [1] and len(rec[0]["weights"]) == 8
+
+
+def test_cli_graft_math_tiny_logs_graft_metrics(tmp_path):
+    run = tmp_path / "RUN"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/graft/math_tiny.yaml"),
+                           "--trainer.max_steps", "2", "--trainer.default_root_dir", str(run),
+                           "--trainer.enable_progress_bar", "false"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
+    assert len(rows) == 2
+    for k in ("graft/transferred_a_to_b", "graft/transferred_b_to_a", "graft/admitted_frac", "graft/weight_mean",
+              "a/rollout/success_rate", "b/rollout/success_rate", "a/loss/policy", "b/loss/policy"):
+        assert rows[0][k] != "", k
