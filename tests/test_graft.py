@@ -132,3 +132,49 @@ def test_cli_graft_math_tiny_logs_graft_metrics(tmp_path):
     for k in ("graft/transferred_a_to_b", "graft/transferred_b_to_a", "graft/admitted_frac", "graft/weight_mean",
               "a/rollout/success_rate", "b/rollout/success_rate", "a/loss/policy", "b/loss/policy"):
         assert rows[0][k] != "", k
+
+
+def _pair(**kw):
+    module = GRAFTModule(policy_a=PolicySpec("tiny", vocab_size=768), policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
+                         **kw)
+    module.configure_model()
+    ta, tb = module.a.tokenizer, module.b.tokenizer
+    sa = HFEngine(module.a.policy, ta, max_new_tokens=8).generate([_prompt(ta)], n=4, seed=3)[0]
+    sb = HFEngine(module.b.policy, tb, max_new_tokens=8).generate([_prompt(tb)], n=4, seed=4)[0]
+    src = RolloutBatch(groups=[_group(sa, [True, False, False, False])])
+    dst = RolloutBatch(groups=[_group(sb, [False] * 4)])
+    return module, src, dst
+
+
+def test_success_only_transfers_only_the_peer_successes():
+    module, src, dst = _pair(peer_filter="success")
+    w = module.receive(src, dst, [0], module.b)
+    assert len(w) == 1 and [t.success for t in dst.groups[0].trajectories] == [True]
+    # the source advantage of the one success in [1, 0, 0, 0]: (1 - 0.25) / std = 0.75 / 0.5 = 1.5
+    assert dst.groups[0].trajectories[0].advantage == pytest.approx(1.5, abs=1e-4)
+
+
+def test_pooled_groups_recompute_advantages_over_receiver_and_peer():
+    module, src, dst = _pair(peer_advantage="pooled")
+    module.receive(src, dst, [0], module.b)
+    g = dst.groups[0]
+    assert len(g.trajectories) == 8 and [t.source for t in g.trajectories] == ["self"] * 4 + ["peer"] * 4
+    # pool rewards [0,0,0,0, 1,0,0,0]: mean 1/8, unbiased var = (1 - 8/64) / 7 = 0.125, std 0.353553
+    adv = [t.advantage for t in g.trajectories]
+    assert adv[4] == pytest.approx((1 - 0.125) / 0.353553, abs=1e-4)
+    assert adv[0] == pytest.approx(-0.125 / 0.353553, abs=1e-4)
+
+
+def test_random_admission_weights_are_zero_or_one():
+    module, src, dst = _pair(admission="random", p_admit=0.5)
+    import random
+
+    w = module.receive(src, dst, [0], module.b, random.Random(0))
+    assert set(w) <= {0.0, 1.0} and len(w) == 4
+
+
+def test_bad_graft_config_is_refused():
+    with pytest.raises(ValueError, match="model.delta=0.0"):
+        GRAFTModule(delta=0.0)
+    with pytest.raises(ValueError, match="model.selection must be one of"):
+        GRAFTModule(selection="best")

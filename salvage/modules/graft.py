@@ -37,6 +37,7 @@ from salvage.core.graft import (
     compatibility,
     mean_logprob,
     order_groups,
+    pooled_advantages,
     select_transfers,
     split_minibatches,
 )
@@ -60,6 +61,13 @@ class GRAFTModule(L.LightningModule):
         delta / gate / floor: compatibility weighting (``gate=False``: w = 1;
             ``floor=False``: w = min(s, 1)).
         order: ``peer-last`` (default), ``peer-first`` or ``uniform`` minibatch order.
+        selection: ``complementary`` (GRAFT) or ``random`` (count-matched random prompts:
+            as many prompts per direction as GRAFT would pick, drawn from all prompts).
+        peer_filter: ``all`` (the peer's full group) or ``success`` (success-only peer responses).
+        peer_advantage: ``source`` (the source's advantages, GRAFT) or ``pooled`` (the
+            receiver's group and the peer's, advantages over the pool, eps 1e-6).
+        admission: ``compat`` (compatibility weight) or ``random`` (each peer response
+            admitted with probability ``p_admit``, weight 1; ours).
         seed: seed of the balancing and ordering streams.
     """
 
@@ -84,6 +92,11 @@ class GRAFTModule(L.LightningModule):
         gate: bool = True,
         floor: bool = True,
         order: str = "peer-last",
+        selection: str = "complementary",
+        peer_filter: str = "all",
+        peer_advantage: str = "source",
+        admission: str = "compat",
+        p_admit: float = 0.5,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -95,6 +108,14 @@ class GRAFTModule(L.LightningModule):
             raise ValueError(f"model.delta={delta!r} must be in (0, 1]")
         if rho <= 0:
             raise ValueError(f"model.rho={rho!r} must be > 0")
+        for key, val, allowed in (("selection", selection, ("complementary", "random")),
+                                  ("peer_filter", peer_filter, ("all", "success")),
+                                  ("peer_advantage", peer_advantage, ("source", "pooled")),
+                                  ("admission", admission, ("compat", "random"))):
+            if val not in allowed:
+                raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
+        if not 0 <= p_admit <= 1:
+            raise ValueError(f"model.p_admit={p_admit!r} must be in [0, 1]")
         self.automatic_optimization = False
         common = dict(weight_decay=weight_decay, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size,
                       clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg, kl_coef=kl_coef,
@@ -133,16 +154,20 @@ class GRAFTModule(L.LightningModule):
 
     # ------------------------------------------------------------------ exchange
     def receive(self, src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule,
-                ) -> list[float]:
+                rng: random.Random | None = None) -> list[float]:
         """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted."""
         hp = self.hparams
+        rng = rng or random.Random(hp.seed)
         tok = receiver.tokenizer
         weights: list[float] = []
         for q in prompts:
             sg, dg = src.groups[q], dst.groups[q]
             prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
+            peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all"]
+            if not peers:
+                continue
             resp = []
-            for t in sg.trajectories:
+            for t in peers:
                 turn = t.turns[0]
                 ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
                 if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # it ended, not truncated
@@ -151,15 +176,27 @@ class GRAFTModule(L.LightningModule):
             old = response_logprobs(receiver.policy, [prompt] * len(resp), resp, int(tok.pad_token_id),
                                     temperature=dst.temperature, batch_size=receiver.hparams.micro_batch_size)
             trajs = []
-            for t, ids, lp in zip(sg.trajectories, resp, old, strict=True):
+            for t, ids, lp in zip(peers, resp, old, strict=True):
                 s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
-                w = compat_weight(s, hp.delta, hp.gate, hp.floor)
+                if hp.admission == "random":
+                    w = 1.0 if rng.random() < hp.p_admit else 0.0
+                else:
+                    w = compat_weight(s, hp.delta, hp.gate, hp.floor)
                 weights.append(w)
                 trajs.append(Trajectory(
                     turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
                     reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
                     info={"compat": s},
                 ))
+            if hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
+                own = list(dg.trajectories)
+                a_own, a_peer = pooled_advantages(torch.tensor([t.reward for t in own]),
+                                                  torch.tensor([t.reward for t in trajs]), eps=1e-6)
+                for t, a in zip(own, a_own.tolist(), strict=True):
+                    t.advantage = a
+                for t, a in zip(trajs, a_peer.tolist(), strict=True):
+                    t.advantage = a
+                trajs = own + trajs
             dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True})
         return weights
 
@@ -177,13 +214,19 @@ class GRAFTModule(L.LightningModule):
             k_a = [sum(g.successes) for g in ra.groups]
             k_b = [sum(g.successes) for g in rb.groups]
             tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
+            if hp.selection == "random":  # count-matched random prompts
+                q = list(range(len(k_a)))
+                tr = Transfers(sorted(rng.sample(q, len(tr.a_to_b))), sorted(rng.sample(q, len(tr.b_to_a))),
+                               tr.m_ab, tr.m_ba)
+                overlap = set(tr.a_to_b) & set(tr.b_to_a)
+                tr.b_to_a = [x for x in tr.b_to_a if x not in overlap]  # a prompt goes one way only
         else:
             tr = Transfers([], [], 0, 0)
         # B receives from A and A from B, each from the other's own (pre-exchange) groups
         own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
         own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
-        w_b = self.receive(own_a, rb, tr.a_to_b, self.b)
-        w_a = self.receive(own_b, ra, tr.b_to_a, self.a)
+        w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng)
+        w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng)
         self._order(ra, rng)
         self._order(rb, rng)
         (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
