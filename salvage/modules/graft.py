@@ -156,49 +156,7 @@ class GRAFTModule(L.LightningModule):
     def receive(self, src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule,
                 rng: random.Random | None = None) -> list[float]:
         """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted."""
-        hp = self.hparams
-        rng = rng or random.Random(hp.seed)
-        tok = receiver.tokenizer
-        weights: list[float] = []
-        for q in prompts:
-            sg, dg = src.groups[q], dst.groups[q]
-            prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
-            peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all"]
-            if not peers:
-                continue
-            resp = []
-            for t in peers:
-                turn = t.turns[0]
-                ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
-                if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # it ended, not truncated
-                    ids.append(int(tok.eos_token_id))
-                resp.append(ids or [int(tok.eos_token_id)])
-            old = response_logprobs(receiver.policy, [prompt] * len(resp), resp, int(tok.pad_token_id),
-                                    temperature=dst.temperature, batch_size=receiver.hparams.micro_batch_size)
-            trajs = []
-            for t, ids, lp in zip(peers, resp, old, strict=True):
-                s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
-                if hp.admission == "random":
-                    w = 1.0 if rng.random() < hp.p_admit else 0.0
-                else:
-                    w = compat_weight(s, hp.delta, hp.gate, hp.floor)
-                weights.append(w)
-                trajs.append(Trajectory(
-                    turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
-                    reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
-                    info={"compat": s},
-                ))
-            if hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
-                own = list(dg.trajectories)
-                a_own, a_peer = pooled_advantages(torch.tensor([t.reward for t in own]),
-                                                  torch.tensor([t.reward for t in trajs]), eps=1e-6)
-                for t, a in zip(own, a_own.tolist(), strict=True):
-                    t.advantage = a
-                for t, a in zip(trajs, a_peer.tolist(), strict=True):
-                    t.advantage = a
-                trajs = own + trajs
-            dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True})
-        return weights
+        return transplant(src, dst, prompts, receiver, dict(self.hparams), rng or random.Random(self.hparams.seed))
 
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
         is_peer = [bool(g.info.get("peer")) for g in batch.groups]
@@ -305,3 +263,58 @@ class GRAFTModule(L.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._eval_end("eval")
+
+
+class _Opts(dict):
+    __getattr__ = dict.__getitem__
+
+
+def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule, opts: dict[str, Any],
+           rng: random.Random) -> list[float]:
+    """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
+
+    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, p_admit (GRAFTModule's
+    arguments). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``).
+    """
+    hp = _Opts(opts)
+    tok = receiver.tokenizer
+    weights: list[float] = []
+    for q in prompts:
+        sg, dg = src.groups[q], dst.groups[q]
+        prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
+        peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all"]
+        if not peers:
+            continue
+        resp = []
+        for t in peers:
+            turn = t.turns[0]
+            ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
+            if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # it ended, not truncated
+                ids.append(int(tok.eos_token_id))
+            resp.append(ids or [int(tok.eos_token_id)])
+        old = response_logprobs(receiver.policy, [prompt] * len(resp), resp, int(tok.pad_token_id),
+                                temperature=dst.temperature, batch_size=receiver.hparams.micro_batch_size)
+        trajs = []
+        for t, ids, lp in zip(peers, resp, old, strict=True):
+            s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
+            if hp.admission == "random":
+                w = 1.0 if rng.random() < hp.p_admit else 0.0
+            else:
+                w = compat_weight(s, hp.delta, hp.gate, hp.floor)
+            weights.append(w)
+            trajs.append(Trajectory(
+                turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
+                reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
+                info={"compat": s},
+            ))
+        if hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
+            own = list(dg.trajectories)
+            a_own, a_peer = pooled_advantages(torch.tensor([t.reward for t in own]),
+                                              torch.tensor([t.reward for t in trajs]), eps=1e-6)
+            for t, a in zip(own, a_own.tolist(), strict=True):
+                t.advantage = a
+            for t, a in zip(trajs, a_peer.tolist(), strict=True):
+                t.advantage = a
+            trajs = own + trajs
+        dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True})
+    return weights

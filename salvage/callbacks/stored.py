@@ -1,0 +1,156 @@
+"""GRAFT stored mode (SPEC §3.2): record a run's rollouts, let a later run receive them.
+
+``RecordRollouts`` (on any single-model RLVR run) writes, for every update, one JSON file
+``<dir>/step_<k>.json`` with each prompt's task id, answer, and every response's text,
+generation log-probs, finish reason and reward (plain data, written atomically: a crash
+mid-write leaves no partial file).
+
+``StoredPeer`` (on the receiver's run, same data and seed so the prompt batches match)
+reads the file of each step, checks that it holds exactly this step's prompts (a log that
+does not match fails with a clear error), re-verifies every stored response with the
+receiver's own verifier, and applies GRAFT's one-direction selection (no balancing),
+compatibility weighting and peer-token update (``salvage.modules.graft.transplant``).
+The partner model is never loaded. The receiver's ``GRPOModule`` trains on the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from salvage.core.graft import select_unidirectional
+from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.types import Group, RolloutBatch, Trajectory, Turn
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class RecordRollouts(L.Callback):
+    """Writes every update's prompts, responses, generation log-probs and rewards.
+
+    Args:
+        dirpath: where the step files go (default: ``<run dir>/rollouts``).
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+
+    def _dir(self, trainer: L.Trainer) -> Path:
+        return Path(self.dirpath or Path(trainer.default_root_dir) / "rollouts")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if not isinstance(batch, RolloutBatch) or trainer.global_rank != 0:
+            return
+        rec = {
+            "step": trainer.global_step,
+            "temperature": batch.temperature,
+            "prompts": [
+                {"task_id": g.task_id, "answer": g.task.get("answer"), "responses": [
+                    {"text": t.turns[0].response_text, "logprobs": list(t.turns[0].logprobs),
+                     "finish_reason": t.turns[0].finish_reason, "reward": t.reward}
+                    for t in g.trajectories]}
+                for g in batch.groups
+            ],
+        }
+        _atomic_write(self._dir(trainer) / f"step_{trainer.global_step:06d}.json", json.dumps(rec))
+
+
+class StoredPeer(L.Callback):
+    """Receive a recorded partner run's groups (GRAFT stored mode, one direction).
+
+    Args:
+        dirpath: the partner's ``rollouts`` directory.
+        delta / gate / floor / peer_filter / admission / p_admit: as ``GRAFTModule``.
+        seed: seed of the random admission stream.
+    """
+
+    def __init__(self, dirpath: str, delta: float = 0.8, gate: bool = True, floor: bool = True,
+                 peer_filter: str = "all", admission: str = "compat", p_admit: float = 0.5, seed: int = 0) -> None:
+        if not 0 < delta <= 1:
+            raise ValueError(f"StoredPeer delta={delta!r} must be in (0, 1]")
+        self.dirpath = Path(dirpath)
+        self.opts = {"delta": delta, "gate": gate, "floor": floor, "peer_filter": peer_filter,
+                     "peer_advantage": "source", "admission": admission, "p_admit": p_admit}
+        self.seed = seed
+        self.transferred = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and not self.dirpath.is_dir():
+            raise FileNotFoundError(f"StoredPeer dirpath {str(self.dirpath)!r} is not a directory of recorded steps")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"transferred": self.transferred}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.transferred = int(state_dict["transferred"])
+
+    def load(self, step: int) -> dict[str, Any]:
+        path = self.dirpath / f"step_{step:06d}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"StoredPeer: no recorded rollouts for step {step} ({path})")
+        return json.loads(path.read_text(encoding="utf-8"))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        from salvage.modules.graft import transplant
+
+        if not isinstance(batch, RolloutBatch):
+            return
+        step = trainer.global_step
+        rec = self.load(step)
+        stored = {p["task_id"]: p for p in rec["prompts"]}
+        mine = [g.task_id for g in batch.groups]
+        if set(stored) != set(mine):
+            raise ValueError(
+                f"StoredPeer: the log of step {step} holds prompts {sorted(stored)[:4]}... but this step's batch "
+                f"is {sorted(mine)[:4]}...: the runs differ (data, seed or prompts_per_step)"
+            )
+        dm = trainer.datamodule
+        peer_groups = []
+        for g in batch.groups:
+            p = stored[g.task_id]
+            trajs = []
+            for r in p["responses"]:
+                res = dm.reward_fn(r["text"], g.task["answer"])  # re-verified, never trusted
+                trajs.append(Trajectory(turns=[Turn([], [], list(r["logprobs"]), response_text=r["text"],
+                                                    finish_reason=r["finish_reason"])],
+                                        reward=res.reward, success=res.success, source="stored"))
+            pg = Group(task_id=g.task_id, trajectories=trajs, task=g.task)
+            assign_advantages(pg, dm.advantage, dm.adv_eps, dm.reward_tol, dm.adv_tol)
+            peer_groups.append(pg)
+        n = max(len(g.trajectories) for g in batch.groups)
+        k_recv = [sum(g.successes) for g in batch.groups]
+        k_src = [sum(g.successes) for g in peer_groups]
+        prompts = select_unidirectional(k_recv, k_src, n)
+        weights = transplant(RolloutBatch(groups=peer_groups, temperature=rec.get("temperature", 1.0)), batch,
+                             prompts, pl_module, self.opts, random.Random(step_seed(self.seed, step, 31)))
+        self.transferred += len(prompts)
+        from salvage.core.graft import order_groups, split_minibatches
+
+        order = order_groups([bool(g.info.get("peer")) for g in batch.groups], "peer-last", random.Random(0))
+        batch.extras["minibatch_groups"] = split_minibatches(order, pl_module.hparams.num_minibatches)
+        pl_module.record({
+            "graft/transferred_stored": float(len(prompts)),
+            "graft/transferred_stored_cum": float(self.transferred),
+            "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights)) if weights else 0.0,
+            "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
+        })
