@@ -73,7 +73,7 @@ def main(args: list[str] | None = None) -> None:
     SalvageCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=argv,
+        args=args,
         auto_configure_optimizers=False,
     )
 

@@ -90,3 +90,19 @@ def test_vhgpo_resume_is_exact_with_warm_start_and_relay_counters(tmp_path):
     assert cb1[1].acc.total["retained"] == 8  # 2 groups x 4 updates, all retained (scripted)
     ref1 = dict(m1.ref_model.named_parameters())
     assert all(torch.equal(p, ref1[k]) for k, p in m3.ref_model.named_parameters())  # warm-started reference
+
+
+def test_graft_resume_is_exact_for_both_models(tmp_path):
+    from salvage.datamodules.graft import GraftDataModule
+    from salvage.modules.graft import GRAFTModule
+
+    def make():
+        module = GRAFTModule(lr=1e-2, num_minibatches=2, micro_batch_size=8, gate=False)
+        data = GraftDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=12), prompts_per_step=4,
+                               group_size=4, engine=EngineConfig(max_new_tokens=8), reward=DigitFraction())
+        module.policy_names = ("a", "b")
+        return module, data, [CostTracker()]
+
+    (m1, t1, _), (m3, t3, _) = _resume_equal(tmp_path, make, n=4)  # compares model A via .policy
+    pb = dict(m1.b.policy.named_parameters())
+    assert all(torch.equal(p, pb[k]) for k, p in m3.b.policy.named_parameters())  # and model B

@@ -9,6 +9,7 @@ computation the update uses for the current policy, so the first ratio is exactl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ class HFEngine:
         self.batch_size = batch_size
         self.logprob_batch_size = logprob_batch_size
         self._calls = 0
+        self.last_timings: dict[str, float] = {}
 
     @property
     def pad_id(self) -> int:
@@ -88,6 +90,7 @@ class HFEngine:
             seed = self._calls
         self._calls += 1
 
+        t0 = time.perf_counter()
         flat = [list(p) for p in prompts for _ in range(n)]
         samples: list[Sample] = []
         device = next(self.model.parameters()).device
@@ -118,6 +121,7 @@ class HFEngine:
         finally:
             self.model.train(was_training)
 
+        t1 = time.perf_counter()
         lps = response_logprobs(
             self.model,
             [s.prompt_ids for s in samples],
@@ -128,6 +132,7 @@ class HFEngine:
         )
         for s, lp in zip(samples, lps, strict=True):
             s.logprobs = lp
+        self.last_timings = {"sample_s": t1 - t0, "logprob_s": time.perf_counter() - t1}
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _finish(
