@@ -100,7 +100,6 @@ def test_graft_resume_is_exact_for_both_models(tmp_path):
         module = GRAFTModule(lr=1e-2, num_minibatches=2, micro_batch_size=8, gate=False)
         data = GraftDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=12), prompts_per_step=4,
                                group_size=4, engine=EngineConfig(max_new_tokens=8), reward=DigitFraction())
-        module.policy_names = ("a", "b")
         return module, data, [CostTracker()]
 
     (m1, t1, _), (m3, t3, _) = _resume_equal(tmp_path, make, n=4)  # compares model A via .policy

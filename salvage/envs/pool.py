@@ -99,6 +99,7 @@ class _Host:
 def _worker_main(conn: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
     host = _Host(env_name, env_kwargs)
     try:
+        conn.send(("ready", None))  # imports done: the parent's step timeouts start now
         while True:
             msg = conn.recv()
             if msg is None:
@@ -142,6 +143,7 @@ class EnvPool:
         env_kwargs: dict[str, Any] | None = None,
         num_workers: int = 0,
         step_timeout_s: float = 60.0,
+        startup_timeout_s: float = 300.0,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"env num_workers must be >= 0, got {num_workers}")
@@ -151,16 +153,29 @@ class EnvPool:
         self.env_kwargs = dict(env_kwargs or {})
         self.num_workers = num_workers
         self.step_timeout_s = step_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._seq = 0  # every item sent carries a fresh number; stale answers are recognised
         self.errors = 0
         self.restarts = 0
         self.error_log: list[str] = []
         self._trace: dict[int, dict[str, Any]] = {}
         self._ctx = mp.get_context("spawn")
         self._local = _Host(env_name, self.env_kwargs) if num_workers == 0 else None
-        self._workers = [self._start() for _ in range(num_workers)]
+        self._workers = [_Worker(self._ctx, self.env_name, self.env_kwargs) for _ in range(num_workers)]
+        for w in self._workers:
+            self._wait_ready(w)
 
     def _start(self) -> _Worker:
-        return _Worker(self._ctx, self.env_name, self.env_kwargs)
+        w = _Worker(self._ctx, self.env_name, self.env_kwargs)
+        self._wait_ready(w)
+        return w
+
+    def _wait_ready(self, w: _Worker) -> None:
+        """Block until a (re)started worker has imported everything (not a step timeout)."""
+        if not w.parent.poll(self.startup_timeout_s):
+            w.kill()
+            raise RuntimeError(f"env worker did not start within {self.startup_timeout_s:.0f}s")
+        w.parent.recv()
 
     # ------------------------------------------------------------------ public ops
     def reset(self, items: list[tuple[int, dict[str, Any], int]]) -> list[EnvResult]:
@@ -230,18 +245,19 @@ class EnvPool:
                 results[i] = self._local.handle(op, eid, arg)
                 self._record(op, eid, arg, results[i])
             return results  # type: ignore[return-value]
-        per_worker: dict[int, list[tuple[int, str, int, Any]]] = {}
+        per_worker: dict[int, list[tuple[int, int, str, int, Any]]] = {}
         for i, (op, eid, arg) in enumerate(ops):
-            per_worker.setdefault(eid % self.num_workers, []).append((i, op, eid, arg))
+            self._seq += 1
+            per_worker.setdefault(eid % self.num_workers, []).append((self._seq, i, op, eid, arg))
         for w, items in per_worker.items():
             self._send(w, items)
         for w, items in per_worker.items():
             self._collect(w, items, results)
         return results  # type: ignore[return-value]
 
-    def _send(self, w: int, items: list[tuple[int, str, int, Any]]) -> bool:
+    def _send(self, w: int, items: list[tuple[int, int, str, int, Any]]) -> bool:
         try:
-            self._workers[w].parent.send(items)
+            self._workers[w].parent.send([(seq, op, eid, arg) for seq, _, op, eid, arg in items])
             return True
         except (OSError, BrokenPipeError):
             return False
@@ -253,17 +269,18 @@ class EnvPool:
             return self.step_timeout_s * (1 + len(arg.get("actions", [])))
         return self.step_timeout_s
 
-    def _collect(self, w: int, items: list[tuple[int, str, int, Any]], results: list[EnvResult | None]) -> None:
+    def _collect(self, w: int, items: list[tuple[int, int, str, int, Any]], results: list[EnvResult | None]) -> None:
         pending = list(items)
         while pending:
-            idx, op, eid, arg = pending[0]
+            seq, idx, op, eid, arg = pending[0]
             conn = self._workers[w].parent
             reason = None
             try:
                 if conn.poll(self._timeout(op, arg)):
-                    got_idx, res = conn.recv()
-                    if got_idx != idx:  # cannot happen with an ordered pipe; be loud if it does
-                        raise RuntimeError(f"env worker {w} answered item {got_idx}, expected {idx}")
+                    got, res = conn.recv()
+                    if got != seq:  # a late answer to an item already given up on: drop it
+                        log.warning("env worker %d: discarding a stale answer (item %s)", w, got)
+                        continue
                     results[idx] = res
                     self._record(op, eid, arg, res)
                     pending.pop(0)
@@ -278,7 +295,7 @@ class EnvPool:
             pending.pop(0)
             self._restart(w, exclude={eid})
             if pending and not self._send(w, pending):
-                for j, op2, eid2, arg2 in pending:
+                for _, j, op2, eid2, arg2 in pending:
                     results[j] = EnvResult(False, error=f"env worker {w}: could not be restarted")
                     self._record(op2, eid2, arg2, results[j])
                 return
@@ -290,13 +307,18 @@ class EnvPool:
         hosted = [eid for eid in self._trace if eid % self.num_workers == w and eid not in exclude]
         if not hosted:
             return
-        items = [(i, "restore", eid, dict(self._trace[eid])) for i, eid in enumerate(hosted)]
-        self._workers[w].parent.send(items)
+        items = []
+        for eid in hosted:
+            self._seq += 1
+            items.append((self._seq, "restore", eid, dict(self._trace[eid])))
         conn = self._workers[w].parent
-        for _i, _, eid, state in items:
-            if conn.poll(self._timeout("restore", state)):
-                _, res = conn.recv()
-            else:
+        conn.send(items)
+        for seq, _, eid, state in items:
+            res = None
+            while res is None and conn.poll(self._timeout("restore", state)):
+                got, ans = conn.recv()
+                res = ans if got == seq else None
+            if res is None:
                 res = EnvResult(False, error="restore after worker restart timed out")
             if not res.ok:
                 self.errors += 1
