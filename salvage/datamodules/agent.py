@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from salvage.core.agent import AgentFormat
-from salvage.core.grpo import ADVANTAGE_ESTIMATORS
 from salvage.datamodules.base import RolloutDataModule
-from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.datamodules.common import step_seed
 from salvage.envs import env_class
 from salvage.envs.pool import EnvPool
 from salvage.rollout.agent import AgentRunner, LMPolicy, Start
@@ -89,24 +88,14 @@ class AgentDataModule(RolloutDataModule):
         max_prompt_tokens: int = 2048,
         seed: int = 0,
     ) -> None:
-        super().__init__(tasks_per_step, engine, val_batch_size, seed)
+        super().__init__(tasks_per_step, engine, val_batch_size, seed, group_size, advantage, adv_eps, reward_tol,
+                         adv_tol)
         if max_turns < 1:
             raise ValueError(f"data.max_turns (H) must be >= 1, got {max_turns}")
-        if tasks_per_step < 1:
-            raise ValueError(f"data.tasks_per_step must be >= 1, got {tasks_per_step}")
-        if group_size < 2:
-            raise ValueError(f"data.group_size must be >= 2, got {group_size}")
-        if advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}")
         self.env_spec = env or EnvSpec()
         self.fmt = agent or AgentFormat()
         self.max_turns = max_turns
-        self.group_size = group_size
         self.val_temperature = val_temperature
-        self.advantage = advantage
-        self.adv_eps = adv_eps
-        self.reward_tol = reward_tol
-        self.adv_tol = adv_tol
         self.max_prompt_tokens = max_prompt_tokens
         self.pool: EnvPool | None = None
         self.runner: AgentRunner | None = None
@@ -156,9 +145,6 @@ class AgentDataModule(RolloutDataModule):
         module = self.trainer.lightning_module
         return build_engine(replace(self.engine_cfg, temperature=self.val_temperature), module.policy,
                             module.tokenizer)
-
-    def assign_group_advantages(self, group: Group) -> None:
-        assign_advantages(group, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)
 
     def rollout(self, tasks: list[dict[str, Any]], n: int, seed: int, policy: Any,
                 advantages: bool = True) -> RolloutBatch:

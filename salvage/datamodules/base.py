@@ -15,8 +15,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from salvage.core.grpo import ADVANTAGE_ESTIMATORS
+from salvage.datamodules.common import assign_advantages
 from salvage.rollout.config import EngineConfig, build_engine
-from salvage.types import RolloutBatch
+from salvage.types import Group, RolloutBatch
 
 SPLITS_FOR_STAGE = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}
 
@@ -77,16 +79,43 @@ class StepBatches:
 class RolloutDataModule(L.LightningDataModule):
     """Task lists per split, index dataloaders, the engine on the live policy."""
 
-    def __init__(self, tasks_per_step: int, engine: EngineConfig | None, val_batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        tasks_per_step: int,
+        engine: EngineConfig | None,
+        val_batch_size: int,
+        seed: int,
+        group_size: int = 2,
+        advantage: str = "grpo",
+        adv_eps: float = 1e-6,
+        reward_tol: float = 1e-6,
+        adv_tol: float = 1e-6,
+        tasks_key: str = "tasks_per_step",
+    ) -> None:
         super().__init__()
+        if tasks_per_step < 1:
+            raise ValueError(f"data.{tasks_key} must be >= 1, got {tasks_per_step}")
+        if group_size < 2:
+            raise ValueError(f"data.group_size must be >= 2 (a group needs contrast), got {group_size}")
+        if advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}")
         if val_batch_size < 1:
             raise ValueError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
+        self.group_size = group_size
+        self.advantage = advantage
+        self.adv_eps = adv_eps
+        self.reward_tol = reward_tol
+        self.adv_tol = adv_tol
         self.tasks_per_step = tasks_per_step
         self.engine_cfg = engine or EngineConfig()
         self.val_batch_size = val_batch_size
         self.seed = seed
         self.tasks: dict[str, list[Any]] = {}
         self._engine: Any = None
+
+    def assign_group_advantages(self, group: Group) -> None:
+        """Each trajectory's advantage and the group's zero-signal flag (SPEC §1)."""
+        assign_advantages(group, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)
 
     def load_split(self, split: str) -> list[Any] | None:
         """The tasks of ``train`` / ``val`` / ``test`` (None: split not configured)."""

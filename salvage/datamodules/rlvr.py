@@ -6,9 +6,8 @@ import logging
 import time
 from typing import Any
 
-from salvage.core.grpo import ADVANTAGE_ESTIMATORS
 from salvage.datamodules.base import RolloutDataModule
-from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.datamodules.common import step_seed
 from salvage.rollout.config import EngineConfig, generate_with_retry
 from salvage.tasks.math import MathData, MathTask, MathVerifyReward, Reward, load_math_tasks
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
@@ -58,13 +57,8 @@ class RLVRDataModule(RolloutDataModule):
         reward: Reward | None = None,
         seed: int = 0,
     ) -> None:
-        super().__init__(prompts_per_step, engine, val_batch_size, seed)
-        if prompts_per_step < 1:
-            raise ValueError(f"data.prompts_per_step must be >= 1, got {prompts_per_step}")
-        if group_size < 2:
-            raise ValueError(f"data.group_size must be >= 2 (a group needs contrast), got {group_size}")
-        if advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}")
+        super().__init__(prompts_per_step, engine, val_batch_size, seed, group_size, advantage, adv_eps, reward_tol,
+                         adv_tol, tasks_key="prompts_per_step")
         if val_samples < 1:
             raise ValueError(f"data.val_samples must be >= 1, got {val_samples}")
         if max_prompt_tokens < 8:
@@ -73,14 +67,9 @@ class RLVRDataModule(RolloutDataModule):
         self.val_data = val
         self.test_data = test
         self.prompts_per_step = prompts_per_step
-        self.group_size = group_size
         self.val_temperature = val_temperature
         self.val_top_p = val_top_p
         self.val_samples = val_samples
-        self.advantage = advantage
-        self.adv_eps = adv_eps
-        self.reward_tol = reward_tol
-        self.adv_tol = adv_tol
         self.max_prompt_tokens = max_prompt_tokens
         self.reward_fn: Reward = reward or MathVerifyReward()
         self.data_report: dict[str, Any] = {}
@@ -163,7 +152,7 @@ class RLVRDataModule(RolloutDataModule):
             groups.append(Group(task_id=task.id, trajectories=trajs, task={"answer": task.answer, **task.meta}))
         if advantages:
             for g in groups:
-                self.assign_advantages(g)
+                self.assign_group_advantages(g)
         t_end = time.perf_counter()
         gen_tokens = sum(len(s.response_ids) for row in samples for s in row)
         used_t = engine.temperature if temperature is None else temperature
@@ -179,5 +168,3 @@ class RLVRDataModule(RolloutDataModule):
             },
         )
 
-    def assign_advantages(self, group: Group) -> None:
-        assign_advantages(group, self.advantage, self.adv_eps, self.reward_tol, self.adv_tol)
