@@ -162,3 +162,12 @@ def test_trainable_layers_freezes_the_rest(tmp_path):
         assert torch.equal(p, before[n]) == (n not in trainable), n
     with pytest.raises(ValueError, match="trainable_layers must be >= 1"):
         PolicySpec("tiny", trainable_layers=0)
+
+
+def test_unknown_ablation_callback_is_refused_naming_it(tmp_path):
+    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/vhgpo/twx_tiny.yaml"),
+           "--trainer.callbacks+=salvage.callbacks.relay.NoSuchHandoff", "--trainer.default_root_dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "NoSuchHandoff" in proc.stderr
+    assert not list(tmp_path.glob("**/metrics.csv"))

@@ -178,3 +178,33 @@ def test_bad_graft_config_is_refused():
         GRAFTModule(delta=0.0)
     with pytest.raises(ValueError, match="model.selection must be one of"):
         GRAFTModule(selection="best")
+
+
+def test_luffy_peer_tokens_loss_by_hand():
+    from salvage.modules.grpo import GRPOModule
+
+    learner = GRPOModule(policy=PolicySpec("tiny"), lr=1e-3, micro_batch_size=8)
+    learner.configure_model()
+    tok = learner.tokenizer
+    s = HFEngine(learner.policy, tok, max_new_tokens=6).generate([_prompt(tok)], n=1, seed=1)[0][0]
+    t = Trajectory(turns=[Turn(s.prompt_ids, s.response_ids, s.logprobs, response_text=s.text)], reward=1.0,
+                   success=True, advantage=2.0, source="peer", info={"loss": "luffy"})
+    batch = RolloutBatch(groups=[Group("q", [t])], temperature=1.0)
+    # by hand: token-mean of -p/(p + 0.1) * A with p the current token probability
+    p = torch.exp(torch.tensor(s.logprobs))
+    expected = float((-(p / (p + 0.1)) * 2.0).mean())
+    values = learner.update(batch, torch.optim.SGD(learner.policy.parameters(), lr=0.0), None, 0)
+    assert values["loss/policy"] == pytest.approx(expected, abs=1e-5)
+    assert values["loss/peer_clip_frac"] == 0.0  # no clipping for LUFFY tokens
+
+
+def test_sgt_adds_an_nll_term_instead_of_replacing_groups(tmp_path):
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="sgt", sgt_weight=0.1)
+    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
+                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    m = trainer.callback_metrics
+    assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
+    assert "b/loss/nll" in m and "a/loss/nll" in m and math.isfinite(float(m["b/loss/nll"]))

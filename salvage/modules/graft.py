@@ -39,13 +39,14 @@ from salvage.core.graft import (
     order_groups,
     pooled_advantages,
     select_transfers,
+    sgt_pick,
     split_minibatches,
 )
 from salvage.datamodules.common import step_seed
 from salvage.lm import response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.grpo import GRPOModule
-from salvage.types import Group, RolloutBatch, Trajectory, Turn
+from salvage.types import Group, RolloutBatch, SeqTarget, Trajectory, Turn
 
 
 class GRAFTModule(L.LightningModule):
@@ -68,6 +69,11 @@ class GRAFTModule(L.LightningModule):
             receiver's group and the peer's, advantages over the pool, eps 1e-6).
         admission: ``compat`` (compatibility weight) or ``random`` (each peer response
             admitted with probability ``p_admit``, weight 1; ours).
+        peer_loss: ``clip`` (the receiver's clipped token ratio, GRAFT) or ``luffy``
+            (LUFFY-style: ``-f(p) A`` with ``f(p) = p / (p + 0.1)``, behaviour prob 1, no clip).
+        mode: ``graft`` (replace the group) or ``sgt`` (SGT baseline: no replacement; an
+            NLL term of weight ``sgt_weight`` on one uniformly chosen correct peer response
+            for every prompt with k_receiver = 0 and k_source >= 1).
         seed: seed of the balancing and ordering streams.
     """
 
@@ -97,6 +103,9 @@ class GRAFTModule(L.LightningModule):
         peer_advantage: str = "source",
         admission: str = "compat",
         p_admit: float = 0.5,
+        peer_loss: str = "clip",
+        mode: str = "graft",
+        sgt_weight: float = 0.1,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -111,7 +120,9 @@ class GRAFTModule(L.LightningModule):
         for key, val, allowed in (("selection", selection, ("complementary", "random")),
                                   ("peer_filter", peer_filter, ("all", "success")),
                                   ("peer_advantage", peer_advantage, ("source", "pooled")),
-                                  ("admission", admission, ("compat", "random"))):
+                                  ("admission", admission, ("compat", "random")),
+                                  ("peer_loss", peer_loss, ("clip", "luffy")),
+                                  ("mode", mode, ("graft", "sgt"))):
             if val not in allowed:
                 raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
         if not 0 <= p_admit <= 1:
@@ -168,6 +179,8 @@ class GRAFTModule(L.LightningModule):
         ra, rb = batch.extras["a"], batch.extras["b"]
         n = max((len(g.trajectories) for g in ra.groups), default=0)
         rng = random.Random(step_seed(hp.seed, self.global_step, 21))
+        if hp.exchange and hp.mode == "sgt":
+            return self._sgt_step(ra, rb, rng)
         if hp.exchange:
             k_a = [sum(g.successes) for g in ra.groups]
             k_b = [sum(g.successes) for g in rb.groups]
@@ -187,9 +200,7 @@ class GRAFTModule(L.LightningModule):
         w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng)
         self._order(ra, rng)
         self._order(rb, rng)
-        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
-        va = self.a.update(ra, opt_a, sch_a, self.global_step, count_step=False)
-        vb = self.b.update(rb, opt_b, sch_b, self.global_step, count_step=True)
+        va, vb = self._update_both(ra, rb)
         weights = w_a + w_b
         values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
         values.update({
@@ -207,6 +218,35 @@ class GRAFTModule(L.LightningModule):
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
         self._write({"step": self.global_step - 1, "a_to_b": tr.a_to_b, "b_to_a": tr.b_to_a, "m_ab": tr.m_ab,
                      "m_ba": tr.m_ba, "weights": weights})
+
+    def _update_both(self, ra: RolloutBatch, rb: RolloutBatch) -> tuple[dict[str, float], dict[str, float]]:
+        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
+        va = self.a.update(ra, opt_a, sch_a, self.global_step, count_step=False)
+        vb = self.b.update(rb, opt_b, sch_b, self.global_step, count_step=True)
+        return va, vb
+
+    def _sgt_step(self, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
+        """SGT baseline: own groups untouched; NLL on one correct peer response per unsolved prompt."""
+        counts = {}
+        for src, dst, recv, name in ((ra, rb, self.b, "a_to_b"), (rb, ra, self.a, "b_to_a")):
+            targets = []
+            for sg, dg in zip(src.groups, dst.groups, strict=True):
+                pick = sgt_pick(sg.successes, sum(dg.successes), rng)
+                if pick is None:
+                    continue
+                text = sg.trajectories[pick].turns[0].response_text
+                ids = list(recv.tokenizer(text, add_special_tokens=False)["input_ids"])
+                if recv.tokenizer.eos_token_id is not None:
+                    ids.append(int(recv.tokenizer.eos_token_id))
+                targets.append(SeqTarget(list(dg.trajectories[0].turns[0].prompt_ids), ids))
+            dst.extras["nll_targets"], dst.extras["nll_weight"] = targets, self.hparams.sgt_weight
+            counts[name] = len(targets)
+        va, vb = self._update_both(ra, rb)
+        values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
+        values.update({"graft/transferred_a_to_b": float(counts["a_to_b"]),
+                       "graft/transferred_b_to_a": float(counts["b_to_a"])})
+        self._step_log.update(values)
+        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
 
     def record(self, values: dict[str, float]) -> None:
         """Callbacks' step metrics (cost, ...) go out with the module's, once per update."""
@@ -305,7 +345,7 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
             trajs.append(Trajectory(
                 turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
                 reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
-                info={"compat": s},
+                info={"compat": s, "loss": hp.get("peer_loss", "clip")},
             ))
         if hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
             own = list(dg.trajectories)

@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from salvage.core.graft import luffy_token_loss
 from salvage.core.grpo import AGGREGATIONS, aggregation_weights, clipped_surrogate, kl_k3
 from salvage.lm import pad_right, token_logprobs
 from salvage.metrics import StepMetrics
@@ -46,6 +47,7 @@ TRAIN_METRICS = (
     "loss/total",
     "loss/clip_frac",
     "loss/peer_clip_frac",
+    "loss/nll",
     "loss/ratio_mean",
     "train/grad_norm",
     "train/skipped_updates",
@@ -65,6 +67,7 @@ class _Row:
     weight: float
     seq: int
     peer: bool = False
+    luffy: bool = False
 
 
 class NonFiniteLossError(RuntimeError):
@@ -232,6 +235,7 @@ class GRPOModule(L.LightningModule):
                         weight=traj.weight,
                         seq=seq,
                         peer=traj.source != "self",
+                        luffy=traj.info.get("loss") == "luffy",
                     )
                 )
             per_traj.append(idx)
@@ -303,12 +307,35 @@ class GRPOModule(L.LightningModule):
         return self._finish_update(opt, sched)
 
     def has_aux(self, batch: RolloutBatch) -> bool:
-        """Whether the batch carries auxiliary training data (subclasses)."""
-        return False
+        """Whether the batch carries auxiliary training data (subclasses add their own)."""
+        return bool(batch.extras.get("nll_targets"))
 
     def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """Backpropagate auxiliary losses; return their (detached) total, or None."""
-        return None
+        """Backpropagate auxiliary losses; return their (detached) total, or None.
+
+        Base: ``batch.extras["nll_targets"]`` (a list of ``SeqTarget``) with weight
+        ``batch.extras["nll_weight"]``: ``weight * mean over targets of -s(y|h)`` (SGT).
+        """
+        targets = batch.extras.get("nll_targets") or []
+        if not targets:
+            return None
+        weight = float(batch.extras.get("nll_weight", 1.0))
+        total = 0.0
+        pad = int(self.tokenizer.pad_token_id)
+        for s in range(0, len(targets), self.hparams.micro_batch_size):
+            part = targets[s : s + self.hparams.micro_batch_size]
+            ids, mask = pad_right([t.prompt_ids + t.response_ids for t in part], pad, self.device)
+            lp = token_logprobs(self.policy, ids, mask, 1.0)
+            count = torch.zeros_like(lp)
+            for i, t in enumerate(part):
+                count[i, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.response_ids)] = 1.0
+            loss = -(lp * count).sum(-1).div(count.sum(-1).clamp(min=1)).sum() / len(targets)
+            if not torch.isfinite(loss):
+                return loss.detach()
+            self.backward_loss(weight * loss)
+            total += float(loss.detach())
+        self.step_metrics.update("loss/nll", total)
+        return torch.tensor(weight * total)
 
     def _minibatches(self, per_traj: list[list[int]], batch: RolloutBatch | None = None) -> list[list[int]]:
         fixed = batch.extras.get("minibatch_groups") if batch is not None else None
@@ -364,6 +391,10 @@ class GRPOModule(L.LightningModule):
             loss_tok, ratio, clipped = clipped_surrogate(
                 lp, tb.old_logprobs, tb.advantages, hp.clip_eps_low, hp.clip_eps_high
             )
+            if any(r.luffy for r in part):  # LUFFY-style peer tokens (GRAFT baseline): f(p) A, no ratio
+                lm = torch.tensor([r.luffy for r in part], device=lp.device)[:, None]
+                loss_tok = torch.where(lm, luffy_token_loss(lp, tb.advantages), loss_tok)
+                clipped = torch.where(lm, torch.zeros_like(clipped), clipped)
             aw = torch.zeros_like(lp)
             for i, r in enumerate(part):
                 aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
