@@ -1,6 +1,7 @@
 """The ``salvage`` console script: LightningCLI with salvage's defaults.
 
 - ``salvage report RUN_DIR``: PNG plots and a markdown summary of a run (``salvage.report``).
+- ``salvage export CKPT OUT_DIR``: a trained policy as an HF directory (``salvage.export``).
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
@@ -69,6 +70,11 @@ def main(args: list[str] | None = None) -> None:
         from salvage.report import main as report_main
 
         report_main(argv[1:])
+        return
+    if argv and argv[0] == "export":
+        from salvage.export import main as export_main
+
+        export_main(argv[1:])
         return
     SalvageCLI(
         subclass_mode_model=True,
