@@ -49,6 +49,7 @@ from salvage.core.relay import (
 )
 from salvage.datamodules.common import step_seed
 from salvage.models import PolicySpec, load_policy
+from salvage.progress import stage
 from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
 from salvage.rollout.config import EngineConfig, build_engine
 from salvage.types import Group, RelayData, RolloutBatch, SeqTarget, Trajectory
@@ -238,6 +239,11 @@ class VerifiedHandoff(RescueCallback):
             searches.append(s)
         student = dm.student()
         base_seed = step_seed(self.seed, trainer.global_step, 13)
+        with stage("verified handoff search", total=len(searches), unit="group") as bar:
+            self._drive(searches, dm, student, base_seed, bar)
+        return self._collect(trainer, batch, searches, student, dm, step)
+
+    def _drive(self, searches: list[_Search], dm: Any, student: LMPolicy, base_seed: int, bar: Any) -> None:
         round_ = 0
         while any(s.result is None for s in searches):
             live = [s for s in searches if s.result is None]
@@ -251,7 +257,11 @@ class VerifiedHandoff(RescueCallback):
                     s.req = s.gen.send(answers[id(s)])
                 except StopIteration as stop:
                     s.result = stop.value
+                    bar.advance(1)
             round_ += 1
+
+    def _collect(self, trainer: L.Trainer, batch: RolloutBatch, searches: list[_Search], student: LMPolicy,
+                 dm: Any, step: dict[str, float]) -> list[float]:
         relays: list[RelayData] = batch.extras.setdefault("relays", [])
         fracs = []
         for s in searches:

@@ -20,6 +20,7 @@ import torch
 
 from salvage.core.losses import seq_mean_logprob
 from salvage.lm import pad_right, token_logprobs
+from salvage.progress import stage
 from salvage.rollout.agent import OraclePolicy, Start
 
 log = logging.getLogger(__name__)
@@ -75,17 +76,7 @@ class OracleSFT(L.Callback):
         log.info("OracleSFT: %d/%d oracle episodes won, %d turns", wins, len(eps), len(pairs))
         return pairs
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.done:
-            return
-        pairs = self.demonstrations(trainer)
-        if not pairs:
-            raise RuntimeError("OracleSFT: no winning oracle episode to learn from (check the env and tasks)")
-        model = pl_module.policy
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
-        rng = random.Random(self.seed)
-        pad = int(pl_module.tokenizer.pad_token_id)
-        model.train()
+    def _train(self, model: Any, opt: Any, rng: random.Random, pairs: list, pad: int, pl_module: Any, bar: Any) -> None:
         for _ in range(self.steps):
             batch = rng.sample(pairs, min(self.batch_size, len(pairs)))
             ids, mask = pad_right([p + r for p, r in batch], pad, pl_module.device)
@@ -99,6 +90,21 @@ class OracleSFT(L.Callback):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             self.history.append(float(loss.detach()))
+            bar.advance(1)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.done:
+            return
+        pairs = self.demonstrations(trainer)
+        if not pairs:
+            raise RuntimeError("OracleSFT: no winning oracle episode to learn from (check the env and tasks)")
+        model = pl_module.policy
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
+        rng = random.Random(self.seed)
+        pad = int(pl_module.tokenizer.pad_token_id)
+        model.train()
+        with stage("oracle SFT warm start", total=self.steps, unit="step") as bar:
+            self._train(model, opt, rng, pairs, pad, pl_module, bar)
         opt.zero_grad(set_to_none=True)
         pl_module.reset_reference()
         self.done = True

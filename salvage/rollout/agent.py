@@ -23,6 +23,7 @@ from salvage.core.agent import (
     trajectory_reward,
 )
 from salvage.envs.pool import EnvPool
+from salvage.progress import stage
 from salvage.rollout.config import generate_with_retry
 from salvage.types import Trajectory, Turn
 
@@ -155,7 +156,14 @@ class AgentRunner:
 
     def run(self, starts: Sequence[Start], policy: TurnPolicy, seed: int, train: bool = True) -> list[Episode]:
         eps = [Episode(next(self._eids), s, env=self.pool.env_name) for s in starts]
+        with stage(f"{self.pool.env_name} episodes", total=len(eps), unit="episode") as bar:
+            self._loop(eps, policy, seed, train, bar)
+        self.pool.release([e.eid for e in eps])
+        return eps
+
+    def _loop(self, eps: list[Episode], policy: TurnPolicy, seed: int, train: bool, bar: Any) -> None:
         self._begin(eps)
+        bar.advance(sum(e.done for e in eps))
         turn = 0
         while True:
             live = [e for e in eps if not e.done]
@@ -195,9 +203,8 @@ class AgentRunner:
                     e.done = e.terminal = True
                 elif e.depth >= self.max_turns:
                     e.done = True
+            bar.advance(sum(e.done for e in live))
             turn += 1
-        self.pool.release([e.eid for e in eps])
-        return eps
 
     def replay(self, items: Sequence[tuple[dict[str, Any], int, Sequence[str]]]) -> list[bool]:
         """Replay action lists from the initial state (lockstep); True where it ends won."""

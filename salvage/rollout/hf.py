@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from salvage.lm import pad_left, response_logprobs
+from salvage.progress import stage
 from salvage.types import Sample
 
 
@@ -96,6 +97,8 @@ class HFEngine:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
+        bar_ctx = stage("generate", total=len(flat), unit="seq")
+        bar = bar_ctx.__enter__()
         try:
             for chunk, start in enumerate(range(0, len(flat), self.batch_size)):
                 part = flat[start : start + self.batch_size]
@@ -118,7 +121,9 @@ class HFEngine:
                 new = out[:, ids.shape[1] :].tolist()
                 for prompt, gen in zip(part, new, strict=True):
                     samples.append(self._finish(prompt, gen, stop, max_new, cseed))
+                bar.advance(len(part))
         finally:
+            bar_ctx.__exit__(None, None, None)
             self.model.train(was_training)
 
         t1 = time.perf_counter()
