@@ -22,10 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from salvage.callbacks.cost import CostTracker  # noqa: E402
 from salvage.callbacks.summary import RunSummary  # noqa: E402
+from salvage.loggers import SafeCSVLogger  # noqa: E402
 
 
 class SalvageCLI(LightningCLI):
@@ -60,7 +60,7 @@ class SalvageCLI(LightningCLI):
         cfg = self._get(self.config_init, "trainer", default={})
         if cfg.get("logger") in (None, True):
             root = cfg.get("default_root_dir") or os.getcwd()
-            kwargs["logger"] = CSVLogger(save_dir=root, name="", flush_logs_every_n_steps=1)
+            kwargs["logger"] = SafeCSVLogger(save_dir=root, name="", flush_logs_every_n_steps=1)
         return super().instantiate_trainer(**kwargs)
 
 
