@@ -9,13 +9,14 @@ one and renames it over (atomic on POSIX), so the previous file stays intact.
 from __future__ import annotations
 
 import csv
-import os
-import tempfile
+import io
 from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+from salvage.io import atomic_write_text
 
 
 class _AtomicWriter(ExperimentWriter):
@@ -23,18 +24,11 @@ class _AtomicWriter(ExperimentWriter):
         path = self.metrics_file_path
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-        fd, tmp = tempfile.mkstemp(prefix=".metrics.", suffix=".csv", dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=fieldnames)
-                w.writeheader()
-                w.writerows(rows)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=fieldnames)
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write_text(path, buf.getvalue(), newline="")
 
 
 class SafeCSVLogger(CSVLogger):

@@ -34,4 +34,4 @@ def test_a_crash_during_the_rewrite_leaves_the_previous_file(tmp_path, monkeypat
         lg.log_metrics({"a": 2.0, "b": 3.0}, step=1)
         lg.save()
     assert open(path).read() == before
-    assert not [p for p in tmp_path.rglob(".metrics.*")]  # no temporary left behind
+    assert not [p for p in tmp_path.rglob(".metrics.csv.*")]  # no temporary left behind

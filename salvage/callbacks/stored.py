@@ -16,9 +16,7 @@ The partner model is never loaded. The receiver's ``GRPOModule`` trains on the r
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +24,8 @@ import lightning as L
 
 from salvage.core.graft import select_unidirectional
 from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.io import atomic_write_text
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class RecordRollouts(L.Callback):
@@ -71,7 +56,7 @@ class RecordRollouts(L.Callback):
                 for g in batch.groups
             ],
         }
-        _atomic_write(self._dir(trainer) / f"step_{trainer.global_step:06d}.json", json.dumps(rec))
+        atomic_write_text(self._dir(trainer) / f"step_{trainer.global_step:06d}.json", json.dumps(rec))
 
 
 class StoredPeer(L.Callback):
