@@ -22,9 +22,10 @@ from typing import Any
 
 import lightning as L
 
-from salvage.core.graft import select_unidirectional
+from salvage.core.graft import order_groups, select_unidirectional, split_minibatches
 from salvage.datamodules.common import assign_advantages, step_seed
 from salvage.io import atomic_write_text
+from salvage.modules.graft import transplant
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
 
 
@@ -74,7 +75,7 @@ class StoredPeer(L.Callback):
             raise ValueError(f"StoredPeer delta={delta!r} must be in (0, 1]")
         self.dirpath = Path(dirpath)
         self.opts = {"delta": delta, "gate": gate, "floor": floor, "peer_filter": peer_filter,
-                     "peer_advantage": "source", "admission": admission, "p_admit": p_admit}
+                     "peer_advantage": "source", "admission": admission, "p_admit": p_admit, "peer_loss": "clip"}
         self.seed = seed
         self.transferred = 0
 
@@ -96,8 +97,6 @@ class StoredPeer(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        from salvage.modules.graft import transplant
-
         if not isinstance(batch, RolloutBatch):
             return
         step = trainer.global_step
@@ -129,8 +128,6 @@ class StoredPeer(L.Callback):
         weights = transplant(RolloutBatch(groups=peer_groups, temperature=rec.get("temperature", 1.0)), batch,
                              prompts, pl_module, self.opts, random.Random(step_seed(self.seed, step, 31)))
         self.transferred += len(prompts)
-        from salvage.core.graft import order_groups, split_minibatches
-
         order = order_groups([bool(g.info.get("peer")) for g in batch.groups], "peer-last", random.Random(0))
         batch.extras["minibatch_groups"] = split_minibatches(order, pl_module.hparams.num_minibatches)
         pl_module.record({

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -305,18 +306,14 @@ class GRAFTModule(L.LightningModule):
         self._eval_end("eval")
 
 
-class _Opts(dict):
-    __getattr__ = dict.__getitem__
-
-
 def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule, opts: dict[str, Any],
            rng: random.Random) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
-    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, p_admit (GRAFTModule's
+    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, p_admit, peer_loss (GRAFTModule's
     arguments). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``).
     """
-    hp = _Opts(opts)
+    hp = SimpleNamespace(**opts)
     tok = receiver.tokenizer
     weights: list[float] = []
     for q in prompts:
@@ -345,7 +342,7 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
             trajs.append(Trajectory(
                 turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
                 reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
-                info={"compat": s, "loss": hp.get("peer_loss", "clip")},
+                info={"compat": s, "loss": hp.peer_loss},
             ))
         if hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
             own = list(dg.trajectories)

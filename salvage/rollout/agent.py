@@ -22,6 +22,7 @@ from salvage.core.agent import (
     render_prompt,
     trajectory_reward,
 )
+from salvage.envs.base import digest
 from salvage.envs.pool import EnvPool
 from salvage.progress import stage
 from salvage.rollout.config import generate_with_retry
@@ -133,8 +134,6 @@ class Episode:
         k = depth - self.start_depth
         if not 0 <= k <= len(self.actions):
             raise ValueError(f"depth {depth} outside this episode ({self.start_depth}..{self.depth})")
-        from salvage.envs.base import digest
-
         obs = self.observations[k]
         return {**base, "actions": list(base["actions"]) + self.actions[:k], "observation": obs,
                 "digest": digest(obs)}
