@@ -6,7 +6,10 @@ on an ``EnvPool``, and hands GRPOModule a ``RolloutBatch`` whose trajectories ca
 ``Turn`` per interaction. The trajectory reward is ``10 * won - 0.1 * invalid turns``
 (training only); success is ``won``. An episode whose environment crashed or hung is
 failed, logged, counted in ``env/errors`` and left out of its group (never trained on).
-Evaluation logs success overall and per task family.
+Evaluation logs success overall and per task family; for environments that grade episodes
+(``reports_score``, e.g. WebShop) each trajectory carries ``info["score"]`` and the datamodule
+adds an ``EnvScoreMetrics`` callback logging ``<prefix>/<env>_score`` (100 x mean score) and
+``<prefix>/<env>_success`` (100 x fraction with score 1), SPEC §2.6.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning.pytorch.callbacks import Callback
 
 from salvage.core.agent import AgentFormat
 from salvage.datamodules.base import RolloutDataModule
@@ -33,7 +38,7 @@ class EnvSpec:
     """Which environment, its constructor arguments, and its task lists per split."""
 
     name: str = "twx"
-    """``twx``, ``alfworld``, ``scripted`` (tests)."""
+    """``twx``, ``alfworld``, ``webshop``, ``scripted`` (tests)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments of the env class (e.g. ``step_limit``)."""
     train_tasks: dict[str, Any] = field(default_factory=dict)
@@ -115,6 +120,15 @@ class AgentDataModule(RolloutDataModule):
             self.pool = EnvPool(self.env_spec.name, self.env_spec.kwargs, self.env_spec.num_workers,
                                 self.env_spec.step_timeout_s)
             self.runner = AgentRunner(self.pool, self.fmt, self.max_turns)
+        trainer = getattr(self, "trainer", None)
+        if self.reports_score and trainer is not None and not any(
+                isinstance(c, EnvScoreMetrics) for c in trainer.callbacks):
+            trainer.callbacks.append(EnvScoreMetrics(self.env_spec.name))
+
+    @property
+    def reports_score(self) -> bool:
+        """Whether the environment grades episodes with a score in [0, 1] (``info["score"]``)."""
+        return bool(getattr(env_class(self.env_spec.name), "reports_score", False))
 
     def teardown(self, stage: str) -> None:
         if self.pool is not None:
@@ -159,6 +173,9 @@ class AgentDataModule(RolloutDataModule):
         for i, task in enumerate(tasks):
             eps = episodes[i * n : (i + 1) * n]
             trajs = [self.runner.to_trajectory(e) for e in eps if e.error is None]
+            if self.reports_score:
+                for t in trajs:
+                    t.info["score"] = float(t.info["episode"].info.get("score", 0.0))
             for e in eps:
                 if e.error is not None:
                     log.warning("task %s episode %d failed: %s", task["id"], e.eid, e.error)
@@ -186,3 +203,31 @@ class AgentDataModule(RolloutDataModule):
                 "env_steps": float(self.runner.env_steps - steps_before),
             },
         )
+
+
+class EnvScoreMetrics(Callback):
+    """``<prefix>/<env>_score`` = 100 x mean score and ``<prefix>/<env>_success`` = 100 x fraction
+    with score 1 over evaluation episodes (``val`` in fit, ``eval`` in test), for environments
+    that grade episodes (WebShop's Score and Succ., SPEC §2.6). Added by ``AgentDataModule``."""
+
+    def __init__(self, env_name: str) -> None:
+        self.env_name = env_name
+
+    def _log(self, pl_module: Any, batch: Any, prefix: str) -> None:
+        if not isinstance(batch, RolloutBatch):
+            return
+        scores = [t.info["score"] for t in batch.trajectories if "score" in t.info]
+        if not scores:
+            return
+        n = len(scores)
+        for key, value in (("score", sum(scores) / n), ("success", sum(s == 1.0 for s in scores) / n)):
+            pl_module.log(f"{prefix}/{self.env_name}_{key}", 100.0 * value, on_step=False, on_epoch=True,
+                          batch_size=n, sync_dist=True)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._log(pl_module, batch, "val")
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        self._log(pl_module, batch, "eval")

@@ -10,6 +10,7 @@ ENV_CLASSES = {
     "twx": "salvage.envs.twx:TWXEnv",
     "alfworld": "salvage.envs.alfworld:ALFWorldEnv",
     "scripted": "salvage.envs.scripted:ScriptedEnv",
+    "webshop": "salvage.envs.webshop:WebShopEnv",
 }
 
 
