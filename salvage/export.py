@@ -5,6 +5,8 @@ hyper-parameters as plain data), rebuilds the policy from its ``PolicySpec``, lo
 trained weights and writes ``config.json``, ``model.safetensors``, ``generation_config.json``
 and the tokenizer, so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it.
 GRAFT checkpoints hold two policies: pick one with ``--policy a`` or ``--policy b``.
+A distributed checkpoint (a directory, written by ``ModelParallelStrategy`` / FSDP2) is
+consolidated on the fly: its shards are merged on one process, no process group needed.
 """
 
 from __future__ import annotations
@@ -18,8 +20,31 @@ import torch
 from salvage.models import PolicySpec, load_model, load_tokenizer
 
 
+def load_checkpoint(ckpt: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint as one dict: a file, or a distributed checkpoint directory."""
+    path = Path(ckpt)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    if not (path / ".metadata").exists():
+        raise ValueError(f"{path} is a directory but not a distributed checkpoint (no .metadata)")
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(full))  # merges the shards on this process
+        state = torch.load(str(full), map_location="cpu", weights_only=True)
+    meta = path / "meta.pt"  # Lightning's non-tensor state (hyper-parameters, loops, ...)
+    if meta.exists():
+        state.update(torch.load(str(meta), map_location="cpu", weights_only=True))
+    return state
+
+
 def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> Path:
-    state = torch.load(str(ckpt), map_location="cpu", weights_only=True)
+    state = load_checkpoint(ckpt)
     hp: dict[str, Any] = state.get("hyper_parameters", {})
     sd: dict[str, torch.Tensor] = state["state_dict"]
     if any(k.startswith("a.policy.") for k in sd):  # GRAFT
@@ -50,7 +75,8 @@ def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="salvage export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("ckpt", help="a Lightning checkpoint (e.g. RUN/checkpoints/last.ckpt)")
+    ap.add_argument("ckpt", help="a Lightning checkpoint (e.g. RUN/checkpoints/last.ckpt; a file, or a "
+                                 "distributed checkpoint directory)")
     ap.add_argument("out_dir", help="where the HF directory goes")
     ap.add_argument("--policy", choices=["a", "b"], default=None, help="GRAFT: which of the two policies")
     a = ap.parse_args(argv)

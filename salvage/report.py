@@ -57,6 +57,16 @@ def _jsonl(path: Path | None) -> list[dict[str, Any]]:
     return out
 
 
+def _ranked(path: Path | None, stem: str) -> list[dict[str, Any]]:
+    """Records of rank 0 (``<stem>.jsonl``) and of the other ranks (``<stem>.rank<r>.jsonl``)."""
+    if path is None:
+        return []
+    out = _jsonl(path)
+    for extra in sorted(path.parent.glob(f"{stem}.rank*.jsonl")):
+        out.extend(_jsonl(extra))
+    return out
+
+
 def make_report(run_dir: str | Path) -> dict[str, Any]:
     """Render the plots and the summary; returns {"written": [...], "skipped": {...}}."""
     import matplotlib
@@ -69,8 +79,8 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
     if mpath is None:
         raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
     m = load_metrics(mpath)
-    relays = _jsonl(_newest(run, "relays.jsonl"))
-    exchange = _jsonl(_newest(run, "exchange.jsonl"))
+    relays = _ranked(_newest(run, "relays.jsonl"), "relays")
+    exchange = _ranked(_newest(run, "exchange.jsonl"), "exchange")
     out = run / "report"
     out.mkdir(parents=True, exist_ok=True)
     written: list[str] = []

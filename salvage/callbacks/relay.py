@@ -48,6 +48,7 @@ from salvage.core.relay import (
     select_groups,
 )
 from salvage.datamodules.common import step_seed
+from salvage.distributed import gathered, run_file, shard_model
 from salvage.models import PolicySpec, load_policy
 from salvage.progress import stage
 from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
@@ -119,6 +120,7 @@ class RescueCallback(L.Callback):
         from salvage.datamodules.agent import AgentDataModule
 
         dm = trainer.datamodule
+        self._records_path = run_file(trainer, "relays") if self.records else None  # every rank: log_dir syncs
         if not isinstance(dm, AgentDataModule):
             raise TypeError(f"{type(self).__name__} needs an AgentDataModule (restorable env states), "
                             f"got {type(dm).__name__}")
@@ -134,12 +136,10 @@ class RescueCallback(L.Callback):
         return random.Random(step_seed(self.seed, trainer.global_step, 7))
 
     def _write(self, trainer: L.Trainer, rec: dict[str, Any]) -> None:
-        if not self.records or trainer.global_rank != 0:
+        if not self.records:
             return
         if self._records_path is None:
-            root = trainer.log_dir or trainer.default_root_dir
-            self._records_path = Path(root) / "relays.jsonl"
-            self._records_path.parent.mkdir(parents=True, exist_ok=True)
+            self._records_path = run_file(trainer, "relays")
         with self._records_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -156,12 +156,24 @@ class RescueCallback(L.Callback):
         selected = select_groups(zero, self.cfg, self._rng(trainer))
         step = {"zero_signal_groups": float(len(zero)), "selected": float(len(selected)),
                 "root_tokens": float(batch.num_response_tokens())}
-        fracs = self.rescue(trainer, pl_module, batch, selected, step)
+        try:
+            with gathered(*self.inference_models(pl_module)):  # FSDP: searches sample locally
+                fracs = self.rescue(trainer, pl_module, batch, selected, step)
+        finally:
+            live = getattr(trainer.datamodule, "live_engines", list)
+            for e in live():
+                if hasattr(e, "release"):
+                    e.release()  # vLLM: memory back to training
         self._log(pl_module, step, fracs)
 
     def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
                selected: list[int], step: dict[str, float]) -> list[float]:
         raise NotImplementedError
+
+    def inference_models(self, pl_module: L.LightningModule) -> list[Any]:
+        models = pl_module.inference_models() if hasattr(pl_module, "inference_models") else [pl_module.policy]
+        teacher = getattr(self, "_teacher_model", None)
+        return models + ([teacher] if teacher is not None else [])
 
 
 def _outcome(e: Episode, seed: int) -> Outcome:
@@ -210,7 +222,11 @@ class VerifiedHandoff(RescueCallback):
         elif self._teacher is None:
             model, tok = load_policy(self.teacher_spec.policy)
             model.eval().requires_grad_(False).to(pl_module.device)
-            engine = build_engine(self.teacher_spec.engine or dm.engine_cfg, model, tok)
+            mesh = pl_module.fsdp_mesh() if hasattr(pl_module, "fsdp_mesh") else None
+            if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
+                shard_model(model, mesh, pl_module.fsdp, frozen=True)
+            self._teacher_model = model
+            engine = build_engine(self.teacher_spec.engine or dm.engine_cfg, model, tok, frozen=True)
             self._teacher = LMPolicy(engine, tok, dm.fmt, dm.max_prompt_tokens)
 
     # -- search driver ---------------------------------------------------------------

@@ -24,6 +24,7 @@ import lightning as L
 
 from salvage.core.graft import order_groups, select_unidirectional, split_minibatches
 from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.distributed import gathered
 from salvage.io import atomic_write_text
 from salvage.modules.graft import transplant
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
@@ -125,8 +126,9 @@ class StoredPeer(L.Callback):
         k_recv = [sum(g.successes) for g in batch.groups]
         k_src = [sum(g.successes) for g in peer_groups]
         prompts = select_unidirectional(k_recv, k_src, n)
-        weights = transplant(RolloutBatch(groups=peer_groups, temperature=rec.get("temperature", 1.0)), batch,
-                             prompts, pl_module, self.opts, random.Random(step_seed(self.seed, step, 31)))
+        with gathered(pl_module.policy):
+            weights = transplant(RolloutBatch(groups=peer_groups, temperature=rec.get("temperature", 1.0)), batch,
+                                 prompts, pl_module, self.opts, random.Random(step_seed(self.seed, step, 31)))
         self.transferred += len(prompts)
         order = order_groups([bool(g.info.get("peer")) for g in batch.groups], "peer-last", random.Random(0))
         batch.extras["minibatch_groups"] = split_minibatches(order, pl_module.hparams.num_minibatches)

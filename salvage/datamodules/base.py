@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from salvage.core.grpo import ADVANTAGE_ESTIMATORS
 from salvage.datamodules.common import assign_advantages
+from salvage.distributed import gathered
 from salvage.rollout.config import EngineConfig, build_engine
 from salvage.types import Group, RolloutBatch
 
@@ -153,10 +154,25 @@ class RolloutDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, RolloutBatch):
             return batch
-        if self.trainer.training:
-            return self.train_rollout([self.tasks["train"][i] for i in batch])
-        split = "test" if self.trainer.testing else "val"
-        return self.eval_rollout([self.tasks[split][i] for i in batch], split)
+        module = self.trainer.lightning_module
+        models = module.inference_models() if hasattr(module, "inference_models") else [module.policy]
+        engines = [e for e in self.live_engines() if hasattr(e, "prepare")]
+        for e in engines:  # vLLM: wake, re-sync weights (collectives: every rank, same order)
+            e.prepare()
+        try:
+            with gathered(*models):  # FSDP: one all-gather per rollout phase, then local sampling
+                if self.trainer.training:
+                    return self.train_rollout([self.tasks["train"][i] for i in batch])
+                split = "test" if self.trainer.testing else "val"
+                return self.eval_rollout([self.tasks[split][i] for i in batch], split)
+        finally:
+            for e in engines:
+                e.release()  # vLLM: give the memory back to training
+
+    def live_engines(self) -> list[Any]:
+        """The engines built so far (subclasses holding more add theirs)."""
+        found = [self._engine] + list(self.__dict__.get("_engines", {}).values())
+        return [e for e in found if e is not None]
 
     def train_rollout(self, tasks: list[Any]) -> RolloutBatch:
         raise NotImplementedError

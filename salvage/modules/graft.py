@@ -44,6 +44,7 @@ from salvage.core.graft import (
     split_minibatches,
 )
 from salvage.datamodules.common import step_seed
+from salvage.distributed import FSDPConfig, gathered, run_file
 from salvage.lm import response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.grpo import GRPOModule
@@ -76,6 +77,7 @@ class GRAFTModule(L.LightningModule):
             NLL term of weight ``sgt_weight`` on one uniformly chosen correct peer response
             for every prompt with k_receiver = 0 and k_source >= 1).
         seed: seed of the balancing and ordering streams.
+        fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class GRAFTModule(L.LightningModule):
         mode: str = "graft",
         sgt_weight: float = 0.1,
         seed: int = 0,
+        fsdp: FSDPConfig | None = None,
     ) -> None:
         super().__init__()
         if balance not in BALANCE:
@@ -131,10 +134,11 @@ class GRAFTModule(L.LightningModule):
         self.automatic_optimization = False
         common = dict(weight_decay=weight_decay, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size,
                       clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg, kl_coef=kl_coef,
-                      max_grad_norm=max_grad_norm, shuffle_minibatches=False, seed=seed)
+                      max_grad_norm=max_grad_norm, shuffle_minibatches=False, seed=seed, fsdp=fsdp)
         self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **common)
         self.b = GRPOModule(policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1), lr=lr_b or lr, **common)
-        self.save_hyperparameters(ignore=["policy_a", "policy_b"])
+        self.save_hyperparameters(ignore=["policy_a", "policy_b", "fsdp"])
+        self.hparams["fsdp"] = self.a.hparams["fsdp"]
         self.hparams["policy_a"] = self.a.hparams["policy"]
         self.hparams["policy_b"] = self.b.hparams["policy"]
         self._step_log: dict[str, float] = {}
@@ -152,13 +156,18 @@ class GRAFTModule(L.LightningModule):
         return self.a.policy
 
     def configure_model(self) -> None:
-        self.a.configure_model()
-        self.b.configure_model()
+        for child in (self.a, self.b):  # both policies sharded on the strategy's one mesh
+            child._device_mesh = getattr(self, "_device_mesh", None)
+            child.configure_model()
+
+    def inference_models(self) -> list[torch.nn.Module]:
+        return self.a.inference_models() + self.b.inference_models()
 
     def configure_optimizers(self) -> Any:
         return [self.a.configure_optimizers(), self.b.configure_optimizers()]
 
     def on_fit_start(self) -> None:
+        self._records = run_file(self.trainer, "exchange")  # on every rank (log_dir is a collective)
         for lr in (self.a, self.b):
             lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
             if lr.ref_model is not None:
@@ -197,8 +206,9 @@ class GRAFTModule(L.LightningModule):
         # B receives from A and A from B, each from the other's own (pre-exchange) groups
         own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
         own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
-        w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng)
-        w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng)
+        with gathered(self.a.policy, self.b.policy):  # receiver likelihoods: local forwards under FSDP
+            w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng)
+            w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng)
         self._order(ra, rng)
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
@@ -261,11 +271,8 @@ class GRAFTModule(L.LightningModule):
             self._step_log = {}
 
     def _write(self, rec: dict[str, Any]) -> None:
-        if self.trainer.global_rank != 0:
-            return
         if self._records is None:
-            self._records = Path(self.trainer.log_dir or self.trainer.default_root_dir) / "exchange.jsonl"
-            self._records.parent.mkdir(parents=True, exist_ok=True)
+            self._records = run_file(self.trainer, "exchange")
         with self._records.open("a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
 

@@ -23,7 +23,24 @@ import lightning as L
 import torch
 
 from salvage.core.graft import luffy_token_loss
-from salvage.core.grpo import AGGREGATIONS, aggregation_weights, clipped_surrogate, kl_k3
+from salvage.core.grpo import (
+    AGGREGATIONS,
+    aggregation_denominator,
+    aggregation_weights,
+    clipped_surrogate,
+    kl_k3,
+)
+from salvage.distributed import (
+    FSDPConfig,
+    all_reduce,
+    all_true,
+    gathered,
+    global_scale,
+    is_sharded,
+    lockstep,
+    shard_model,
+    world,
+)
 from salvage.lm import pad_right, token_logprobs
 from salvage.metrics import StepMetrics
 from salvage.models import PolicySpec, load_model, load_tokenizer
@@ -95,6 +112,9 @@ class GRPOModule(L.LightningModule):
         max_nonfinite_in_a_row: a non-finite loss or gradient skips the update; this
             many in a row stops the run.
         seed: seed of the minibatch shuffling stream.
+        fsdp: FSDP2 sharding of the policy and the reference under
+            ``ModelParallelStrategy`` (mixed precision, activation checkpointing,
+            offloading); ignored by other strategies.
     """
 
     def __init__(
@@ -116,6 +136,7 @@ class GRPOModule(L.LightningModule):
         shuffle_minibatches: bool = True,
         max_nonfinite_in_a_row: int = 3,
         seed: int = 0,
+        fsdp: FSDPConfig | None = None,
     ) -> None:
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -132,6 +153,7 @@ class GRPOModule(L.LightningModule):
         _check(max_grad_norm >= 0, "model.max_grad_norm", max_grad_norm, "must be >= 0")
         _check(max_nonfinite_in_a_row >= 1, "model.max_nonfinite_in_a_row", max_nonfinite_in_a_row, "must be >= 1")
         self.spec = policy or PolicySpec()
+        self.fsdp = fsdp or FSDPConfig()
         # explicit (no frame inspection): the module may be built inside another's __init__
         self.save_hyperparameters(init_args)
         self._plain_hparams()
@@ -152,6 +174,7 @@ class GRPOModule(L.LightningModule):
         """Hyper-parameters as plain data, so checkpoints load with ``weights_only=True``."""
         self.hparams["policy"] = dataclasses.asdict(self.spec)
         self.hparams["betas"] = list(self.hparams["betas"])
+        self.hparams["fsdp"] = dataclasses.asdict(self.fsdp)
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -161,6 +184,30 @@ class GRPOModule(L.LightningModule):
             ref = load_model(self.spec, self.tokenizer)
             ref.eval().requires_grad_(False)
             self._ref.append(ref)
+        mesh = self.fsdp_mesh()
+        if mesh is not None:
+            if not is_sharded(self.policy):
+                shard_model(self.policy, mesh, self.fsdp)
+            if self._ref and not is_sharded(self._ref[0]):
+                self._ref[0].to(self.device)
+                shard_model(self._ref[0], mesh, self.fsdp, frozen=True)
+
+    def fsdp_mesh(self) -> Any:
+        """The data-parallel mesh of ``ModelParallelStrategy`` (None under other strategies)."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return None
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "salvage shards with FSDP2 only: set trainer.strategy.init_args.tensor_parallel_size=1 and "
+                f"data_parallel_size to the number of devices (got a mesh of shape {tuple(mesh.shape)})"
+            )
+        return mesh["data_parallel"] if "data_parallel" in names else mesh
+
+    def inference_models(self) -> list[torch.nn.Module]:
+        """Models that sample or score without gradients (gathered together under FSDP)."""
+        return [m for m in (self.policy, self.ref_model) if m is not None]
 
     def needs_reference(self) -> bool:
         """A frozen reference only when something uses it (eta = 0 skips loading it)."""
@@ -282,17 +329,23 @@ class GRPOModule(L.LightningModule):
         self.log_rollout(batch)
         rows, per_traj = self.rows_from_batch(batch)
         has_aux = self.has_aux(batch)
-        if not rows and not has_aux:
+        # data-parallel ranks decide together (each rank holds its own share of the batch)
+        n_rows, n_aux = all_reduce([float(len(rows)), float(has_aux)])
+        if not n_rows and not n_aux:
             log.warning("step %d: rollout batch has no trainable tokens; update skipped", step)
             return self._finish_update(opt, sched)
-        ref_lp = self._ref_logprobs(rows, batch.temperature) if hp.kl_coef > 0 and rows else None
+        ref_lp = None
+        if hp.kl_coef > 0 and n_rows:
+            with gathered(self.ref_model):
+                ref_lp = self._ref_logprobs(rows, batch.temperature)
         minibatches = self._minibatches(per_traj, batch) or [[]]
+        minibatches += [[] for _ in range(lockstep(len(minibatches)) - len(minibatches))]
         t0 = time.perf_counter()
         tokens = 0
         for k, mb in enumerate(minibatches):
             last = k == len(minibatches) - 1
             # auxiliary objectives (VH-GPO) join the update once, in its last minibatch (ours)
-            extra = (lambda: self.aux_backward(batch)) if last and has_aux else None
+            extra = (lambda: self.aux_backward(batch)) if last and n_aux else None
             ok = self._update_minibatch([rows[i] for i in mb], mb, ref_lp, batch.temperature, extra)
             tokens += sum(len(rows[i].old_logprobs) for i in mb)
             if ok:
@@ -317,25 +370,54 @@ class GRPOModule(L.LightningModule):
         ``batch.extras["nll_weight"]``: ``weight * mean over targets of -s(y|h)`` (SGT).
         """
         targets = batch.extras.get("nll_targets") or []
-        if not targets:
+        denom = self.global_count(len(targets))
+        if not denom:
             return None
         weight = float(batch.extras.get("nll_weight", 1.0))
         total = 0.0
         pad = int(self.tokenizer.pad_token_id)
-        for s in range(0, len(targets), self.hparams.micro_batch_size):
-            part = targets[s : s + self.hparams.micro_batch_size]
+        mbs = self.hparams.micro_batch_size
+        for c in range(lockstep(-(-len(targets) // mbs))):
+            part = targets[c * mbs : (c + 1) * mbs]
+            if not part:
+                dummy = self.dummy_loss()  # the same forward as a real micro-batch
+                if not self.finite(dummy):
+                    return torch.tensor(float("nan"))
+                self.backward_loss(dummy)
+                continue
             ids, mask = pad_right([t.prompt_ids + t.response_ids for t in part], pad, self.device)
             lp = token_logprobs(self.policy, ids, mask, 1.0)
             count = torch.zeros_like(lp)
             for i, t in enumerate(part):
                 count[i, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.response_ids)] = 1.0
-            loss = -(lp * count).sum(-1).div(count.sum(-1).clamp(min=1)).sum() / len(targets)
-            if not torch.isfinite(loss):
-                return loss.detach()
+            loss = -(lp * count).sum(-1).div(count.sum(-1).clamp(min=1)).sum() / denom
+            if not self.finite(loss):
+                return torch.tensor(float("nan"))
             self.backward_loss(weight * loss)
             total += float(loss.detach())
         self.step_metrics.update("loss/nll", total)
         return torch.tensor(weight * total)
+
+    # ------------------------------------------------------------------ data parallel
+    def global_count(self, n: float) -> float:
+        """The divisor of a mean over items that ranks hold in shares: the global count over
+        the number of ranks (gradients are averaged over ranks), so that every rank's
+        ``sum / global_count`` backward averages to one process's mean; ``n`` on one process."""
+        total = all_reduce([float(n)])[0]
+        return total / world()[1]
+
+    def finite(self, loss: torch.Tensor) -> bool:
+        """Whether the loss is finite on every rank (all ranks skip together)."""
+        return all_true(bool(torch.isfinite(loss).all()))
+
+    def dummy_loss(self) -> torch.Tensor:
+        """A zero-weight loss through the policy: a rank with fewer micro-batches runs its
+        forward and backward, so it issues the same collectives in the same order as the
+        others (FSDP all-gathers, the finiteness vote, reduce-scatters)."""
+        pad = int(self.tokenizer.pad_token_id)
+        ids = torch.full((1, 2), pad, dtype=torch.long, device=self.device)
+        lp = token_logprobs(self.policy, ids, torch.ones_like(ids), 1.0)
+        return lp.sum() * 0.0
 
     def _minibatches(self, per_traj: list[list[int]], batch: RolloutBatch | None = None) -> list[list[int]]:
         fixed = batch.extras.get("minibatch_groups") if batch is not None else None
@@ -381,11 +463,25 @@ class GRPOModule(L.LightningModule):
         seq = torch.tensor([r.seq for r in rows], dtype=torch.long)
         agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg) if rows else None
         per_row_w = [agg[i, : int(lengths[i])] for i in range(len(rows))]
+        # Several ranks: normalise by the global count (token-mean over all ranks' tokens)
+        _, n_world = world()
+        scale = 1.0
+        if n_world > 1:
+            local = aggregation_denominator(_ragged_mask(lengths), seq, hp.loss_agg) if rows else 0.0
+            scale = global_scale(local, all_reduce([local])[0], n_world)
         stats = {"policy": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "peer_clip": 0.0, "peer_w": 0.0}
         mbs = hp.micro_batch_size
         finite = True
-        for s in range(0, len(rows), mbs):
+        for c in range(lockstep(-(-len(rows) // mbs))):
+            s = c * mbs
             part = rows[s : s + mbs]
+            if not part:  # this rank has fewer micro-batches than another: keep in step
+                dummy = self.dummy_loss()  # the same forward as a real micro-batch
+                if not self.finite(dummy):
+                    finite = False
+                    break
+                self.backward_loss(dummy)
+                continue
             tb = self.collate(part)
             lp = token_logprobs(self.policy, tb.input_ids, tb.attention_mask, temperature)
             loss_tok, ratio, clipped = clipped_surrogate(
@@ -409,10 +505,10 @@ class GRPOModule(L.LightningModule):
                 kl = (aw * kl_k3(lp, ref)).sum()
                 loss = loss + hp.kl_coef * kl
                 stats["kl"] += float(kl.detach())
-            if not torch.isfinite(loss):
+            if not self.finite(loss):
                 finite = False
                 break
-            self.backward_loss(loss)
+            self.backward_loss(loss * scale if n_world > 1 else loss)
             stats["policy"] += float(pol.detach())
             stats["clip"] += float((aw * clipped).sum().detach())
             if any(r.peer for r in part):
@@ -480,6 +576,8 @@ class GRPOModule(L.LightningModule):
     def _finish_update(self, opt: Any, sched: Any) -> dict[str, float]:
         if sched is not None:
             sched.step()
+        if self.policy is not None:  # engines holding a copy of the weights (vLLM) re-sync on a new version
+            self.policy._salvage_version = getattr(self.policy, "_salvage_version", 0) + 1
         values = self.step_metrics.compute()
         values["train/lr"] = float(opt.param_groups[0]["lr"])
         return values

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from salvage.core.losses import completion_loss, pair_loss, seq_mean_logprob
+from salvage.distributed import gathered, lockstep
 from salvage.lm import pad_right, token_logprobs
 from salvage.modules.grpo import TRAIN_METRICS, GRPOModule
 from salvage.types import RelayData, RolloutBatch, SeqTarget
@@ -74,6 +75,10 @@ class VHGPOModule(GRPOModule):
         return seq_mean_logprob(lp, count)
 
     def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
+        with gathered(self.ref_model):  # reference scores are local forwards under FSDP
+            return self._aux_backward(batch)
+
+    def _aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
         hp = self.hparams
         relays: list[RelayData] = batch.extras.get("relays", [])
         bridge = [t for r in relays for t in r.bridge]
@@ -82,34 +87,49 @@ class VHGPOModule(GRPOModule):
         mbs = hp.micro_batch_size
         total = torch.zeros((), device=self.device)
         m = self.step_metrics
+        nan = torch.tensor(float("nan"))
         for name, lam, items in (("bridge", hp.lambda_bridge, bridge), ("resume", hp.lambda_resume, resume)):
             m.update(f"relay/{name}_turns", float(len(items)))
-            if lam <= 0 or not items:
+            denom = self.global_count(len(items))  # len(items) on one process
+            if lam <= 0 or not denom:
                 continue  # no data (or ablated): the term is omitted
             value = 0.0
-            for s in range(0, len(items), mbs):
-                part = items[s : s + mbs]
-                loss = completion_loss(self._scores(self.policy, part)).sum() / len(items)
-                if not torch.isfinite(loss):
-                    return loss.detach()
+            for c in range(lockstep(-(-len(items) // mbs))):
+                part = items[c * mbs : (c + 1) * mbs]
+                if not part:  # keep in step with ranks holding more items
+                    dummy = self.dummy_loss()  # the same forward as a real micro-batch
+                    if not self.finite(dummy):
+                        return nan
+                    self.backward_loss(dummy)
+                    continue
+                loss = completion_loss(self._scores(self.policy, part)).sum() / denom
+                if not self.finite(loss):
+                    return nan
                 self.backward_loss(lam * loss)
                 value += float(loss.detach())
             m.update(f"loss/{name}", value)
             total = total + lam * value
         m.update("relay/pairs", float(len(pairs)))
-        if hp.lambda_pair > 0 and pairs:
+        denom = self.global_count(len(pairs))
+        if hp.lambda_pair > 0 and denom:
             value = 0.0
             step = max(1, mbs // 2)
-            for s in range(0, len(pairs), step):
-                part = pairs[s : s + step]
+            for c in range(lockstep(-(-len(pairs) // step))):
+                part = pairs[c * step : (c + 1) * step]
+                if not part:
+                    dummy = self.dummy_loss()  # the same forward as a real micro-batch
+                    if not self.finite(dummy):
+                        return nan
+                    self.backward_loss(dummy)
+                    continue
                 flat = [p[0] for p in part] + [p[1] for p in part]
                 with torch.no_grad():
                     ref = self._scores(self.ref_model, flat)
                 cur = self._scores(self.policy, flat)
                 k = len(part)
-                loss = pair_loss(cur[:k], cur[k:], ref[:k], ref[k:], hp.beta).sum() / len(pairs)
-                if not torch.isfinite(loss):
-                    return loss.detach()
+                loss = pair_loss(cur[:k], cur[k:], ref[:k], ref[k:], hp.beta).sum() / denom
+                if not self.finite(loss):
+                    return nan
                 self.backward_loss(hp.lambda_pair * loss)
                 value += float(loss.detach())
             m.update("loss/pair", value)

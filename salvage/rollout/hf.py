@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from salvage.distributed import check_gathered
 from salvage.lm import pad_left, response_logprobs
 from salvage.progress import stage
 from salvage.types import Sample
@@ -94,6 +95,7 @@ class HFEngine:
         t0 = time.perf_counter()
         flat = [list(p) for p in prompts for _ in range(n)]
         samples: list[Sample] = []
+        check_gathered(self.model, "HFEngine.generate")
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()

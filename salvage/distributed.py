@@ -1,0 +1,230 @@
+"""Multi-process training helpers: FSDP2 sharding, gathered inference, lock-step collectives.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is applied through Lightning's
+``ModelParallelStrategy``: the strategy builds the device mesh and calls
+``configure_model``, where ``shard_model`` wraps every decoder layer and then the root.
+
+Two rules keep ranks from deadlocking, because every sharded forward and backward is a
+collective (all-gather / reduce-scatter) that all ranks must issue the same number of
+times:
+
+1. **Inference runs gathered.** Rollouts (multi-turn episodes end at different turns
+   on different ranks), the relay search, GRAFT's receiver likelihoods and reference
+   scores run inside ``gathered(model, ...)``: the parameters are all-gathered once on
+   entry (one collective, on every rank), forwards inside are local, and they are
+   resharded on exit. Each phase is entered once per step by every rank.
+2. **Training runs in lock step.** The update pads each rank's loop of micro-batches to
+   the longest rank's (``lockstep``), running zero-weight dummy micro-batches, and
+   normalises token-mean losses by the *global* token count (``global_scale``), so the
+   averaged gradient equals that of one process holding the whole batch.
+
+Without ``torch.distributed`` initialised every helper is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class FSDPConfig:
+    """How a policy is sharded under ``ModelParallelStrategy`` (``model.fsdp.*``; ignored otherwise)."""
+
+    param_dtype: str | None = None
+    """Compute dtype of the gathered parameters (``bfloat16`` on GPU); None: the parameters' own."""
+    reduce_dtype: str | None = "float32"
+    """Dtype of the gradient reduce-scatter; None: the compute dtype."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters of each layer after its forward (ZeRO-3); False keeps
+    them until the backward (ZeRO-2-like, more memory, fewer all-gathers)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimiser state in CPU memory."""
+    reference: str = "shard"
+    """Frozen models (reference, teacher): ``shard`` (FSDP, gathered for each use),
+    ``offload`` (sharded in CPU memory) or ``replicate`` (a full copy per rank)."""
+
+    def __post_init__(self) -> None:
+        for key in ("param_dtype", "reduce_dtype"):
+            val = getattr(self, key)
+            if val is not None and val not in _DTYPES:
+                raise ValueError(f"model.fsdp.{key} must be one of {sorted(_DTYPES)} or null, got {val!r}")
+        if self.reference not in ("shard", "offload", "replicate"):
+            raise ValueError(f"model.fsdp.reference must be shard, offload or replicate, got {self.reference!r}")
+
+
+# ----------------------------------------------------------------------------- collectives
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def _device() -> torch.device:
+    d = torch.distributed
+    if d.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Element-wise sum / max / min of a list of numbers over ranks (identity on one process)."""
+    if world()[1] == 1:
+        return list(values)
+    d = torch.distributed
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    d.all_reduce(t, op={"sum": d.ReduceOp.SUM, "max": d.ReduceOp.MAX, "min": d.ReduceOp.MIN}[op])
+    return t.tolist()
+
+
+def lockstep(n: int) -> int:
+    """The largest ``n`` over ranks: how many iterations every rank's loop must run."""
+    return int(all_reduce([float(n)], "max")[0])
+
+
+def all_true(flag: bool) -> bool:
+    return bool(all_reduce([1.0 if flag else 0.0], "min")[0])
+
+
+def global_scale(local: float, total: float, world_size: int) -> float:
+    """Factor turning a loss normalised by a local count into one normalised by the global
+    count, under gradient *averaging* over ``world_size`` ranks: ``W * local / total``.
+
+    With it, (1/W) sum_r grad(W * local_r/total * L_r) = grad(sum_r local_r * L_r) / total:
+    the gradient of one process normalising over all ranks' items.
+    """
+    if total <= 0:
+        return 0.0
+    return world_size * local / total
+
+
+def run_file(trainer: Any, stem: str) -> Any:
+    """``<run dir>/<stem>.jsonl`` on rank 0, ``<stem>.rank<r>.jsonl`` on rank r > 0 (each rank
+    records its own share). Call it on every rank: ``trainer.log_dir`` is a collective."""
+    from pathlib import Path
+
+    root = Path(trainer.log_dir or trainer.default_root_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    rank = trainer.global_rank
+    return root / (f"{stem}.jsonl" if rank == 0 else f"{stem}.rank{rank}.jsonl")
+
+
+# ----------------------------------------------------------------------------- FSDP2
+def _fsdp() -> Any:
+    from torch.distributed import fsdp
+
+    return fsdp
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    return model is not None and _has_fsdp_modules(model)
+
+
+def _has_fsdp_modules(model: torch.nn.Module) -> bool:
+    FSDPModule = _fsdp().FSDPModule
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of an HF causal LM (``model.model.layers`` and common variants)."""
+    for path in ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None:
+            return list(obj)
+    raise ValueError(f"FSDP: cannot find the decoder layers of {type(model).__name__} to shard")
+
+
+def shard_model(model: torch.nn.Module, mesh: Any, cfg: FSDPConfig, frozen: bool = False) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root, on ``mesh`` (in place; returns ``model``).
+
+    ``frozen``: a reference / teacher (no gradients; ``cfg.reference`` decides offloading).
+    """
+    fsdp = _fsdp()
+    if frozen and cfg.reference == "replicate":
+        return model
+    if cfg.activation_checkpointing and not frozen:
+        if hasattr(model, "gradient_checkpointing_enable"):
+            enable: Any = model.gradient_checkpointing_enable  # an HF PreTrainedModel
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            raise ValueError(f"model.fsdp.activation_checkpointing: {type(model).__name__} does not support it")
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.param_dtype is not None or cfg.reduce_dtype is not None:
+        kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
+            param_dtype=_DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
+            reduce_dtype=_DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
+        )
+    if cfg.cpu_offload or (frozen and cfg.reference == "offload"):
+        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fsdp.fully_shard(layer, **kwargs)
+    fsdp.fully_shard(model, **kwargs)
+    setattr(model, "_salvage_reshard", cfg.reshard_after_forward)  # noqa: B010 - read back by gathered()
+    return model
+
+
+_GATHERED: set[int] = set()
+
+
+def is_gathered(model: torch.nn.Module) -> bool:
+    return id(model) in _GATHERED
+
+
+@contextlib.contextmanager
+def gathered(*models: torch.nn.Module | None) -> Iterator[None]:
+    """All-gather the sharded parameters of ``models`` for local (no-grad) inference.
+
+    Every rank must enter together (the all-gather is a collective); forwards inside need
+    no communication, so ranks may run different numbers of them. Meant for inference:
+    run the forwards under ``torch.no_grad()`` (a backward inside would reduce-scatter). Models that are not
+    sharded, or already gathered by an enclosing call, are left alone.
+    """
+    todo = [m for m in models if m is not None and id(m) not in _GATHERED and _has_fsdp_modules(m)]
+    if not todo:
+        yield
+        return
+    FSDPModule = _fsdp().FSDPModule
+    units = [u for m in todo for u in m.modules() if isinstance(u, FSDPModule)]
+    for m in todo:
+        _GATHERED.add(id(m))
+    try:
+        for u in units:
+            u.set_reshard_after_forward(False, recurse=False)
+        for u in units:
+            u.unshard()
+        yield
+    finally:
+        for m in todo:
+            _GATHERED.discard(id(m))
+        for m in todo:
+            keep = getattr(m, "_salvage_reshard", True)
+            for u in m.modules():
+                if isinstance(u, FSDPModule):
+                    u.reshard()
+                    u.set_reshard_after_forward(keep, recurse=False)
+
+
+def check_gathered(model: torch.nn.Module, what: str) -> None:
+    """Fail clearly instead of deadlocking when sharded inference runs outside ``gathered``."""
+    if world()[1] > 1 and _has_fsdp_modules(model) and not is_gathered(model):
+        raise RuntimeError(
+            f"{what} on an FSDP-sharded model outside salvage.distributed.gathered(): ranks would "
+            "issue different numbers of all-gathers and deadlock. Wrap the phase in gathered(model)."
+        )
