@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("hf",)
+BACKENDS = ("hf", "vllm")
 
 
 @dataclass
@@ -15,7 +15,7 @@ class EngineConfig:
     """Sampling settings of a rollout engine. Every field is a config key."""
 
     backend: str = "hf"
-    """``hf`` (transformers generate; CPU and tests)."""
+    """``hf`` (transformers generate; CPU and tests) or ``vllm`` (GPU, extra ``gpu``)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 256
@@ -25,6 +25,16 @@ class EngineConfig:
     """Sequences per ``generate`` call."""
     logprob_batch_size: int = 8
     """Sequences per forward pass when recomputing behaviour log-probs."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm: fraction of the GPU the engine may take while awake (GRAFT runs two)."""
+    vllm_sleep_level: int = 1
+    """vllm: between rollout phases 1 offloads weights to CPU, 2 discards them (re-synced
+    from the policy), 0 never sleeps."""
+    vllm_recompute_logprobs: bool = True
+    """vllm: behaviour log-probs from the training policy (exact ratio 1) instead of vLLM's."""
+    vllm_max_model_len: int | None = None
+    """vllm: context length (prompt + response); None: the model's."""
+    vllm_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -37,9 +47,25 @@ class EngineConfig:
             raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1 or self.logprob_batch_size < 1:
             raise ValueError("engine.batch_size and engine.logprob_batch_size must be >= 1")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.vllm_gpu_memory_utilization}")
+        if self.vllm_sleep_level not in (0, 1, 2):
+            raise ValueError(f"engine.vllm_sleep_level must be 0, 1 or 2, got {self.vllm_sleep_level}")
 
 
-def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any) -> Any:
+def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False) -> Any:
+    """The engine ``cfg.backend`` names, sampling from ``model`` (``frozen``: a teacher, never re-synced)."""
+    if cfg.backend == "vllm":
+        from salvage.rollout.vllm import VLLMEngine  # lazy: vllm is an optional GPU extra
+
+        return VLLMEngine(
+            model, tokenizer, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            stop=cfg.stop, logprob_batch_size=cfg.logprob_batch_size,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep_level=cfg.vllm_sleep_level,
+            recompute_logprobs=cfg.vllm_recompute_logprobs, max_model_len=cfg.vllm_max_model_len,
+            dtype=cfg.vllm_dtype, frozen=frozen,
+        )
     if cfg.backend == "hf":
         from salvage.rollout.hf import HFEngine
 

@@ -1,0 +1,71 @@
+"""The vLLM engine: GPU tests (marker ``vllm``) skip here with the reason; config errors are tested everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from salvage.rollout.config import EngineConfig, build_engine
+from salvage.rollout.vllm import iter_full_parameters, model_version, vllm_available
+
+OK, WHY = vllm_available()
+needs_vllm = pytest.mark.skipif(not OK, reason=f"vLLM engine cannot run here: {WHY}")
+
+
+def test_backend_vllm_fails_clearly_without_a_gpu(tiny):
+    model, tok = tiny
+    if OK:
+        pytest.skip("a GPU and vllm are present")
+    with pytest.raises(RuntimeError, match="engine.backend=vllm"):
+        build_engine(EngineConfig(backend="vllm"), model, tok)
+
+
+def test_engine_config_rejects_bad_vllm_settings():
+    with pytest.raises(ValueError, match="engine.vllm_sleep_level"):
+        EngineConfig(backend="vllm", vllm_sleep_level=3)
+    with pytest.raises(ValueError, match="engine.vllm_gpu_memory_utilization"):
+        EngineConfig(backend="vllm", vllm_gpu_memory_utilization=1.5)
+
+
+def test_weight_stream_is_every_parameter_once(tiny):
+    model, _ = tiny
+    names = [n for n, _ in iter_full_parameters(model)]
+    assert set(n for n, _ in model.named_parameters()) <= set(names)
+    assert len(names) == len(set(names))
+    assert model_version(torch.nn.Linear(1, 1)) == 0
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny):
+    from salvage.lm import response_logprobs
+
+    model, tok = tiny
+    model = model.cuda()
+    eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=16, stop=["</action>"], temperature=1.0), model, tok)
+    prompts = [tok("go north", add_special_tokens=False)["input_ids"], tok("take coin", add_special_tokens=False)["input_ids"]]
+    eng.prepare()
+    out = eng.generate(prompts, n=3, seed=1)
+    eng.release()
+    assert [len(g) for g in out] == [3, 3]
+    flat = [s for g in out for s in g]
+    ref = response_logprobs(model, [s.prompt_ids for s in flat], [s.response_ids for s in flat], int(tok.pad_token_id))
+    for s, lp in zip(flat, ref, strict=True):
+        assert len(s.logprobs) == len(s.response_ids) and torch.allclose(torch.tensor(s.logprobs), torch.tensor(lp),
+                                                                          atol=1e-4)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_resyncs_weights_after_an_update(tiny):
+    model, tok = tiny
+    model = model.cuda()
+    eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=8, temperature=0.0), model, tok)
+    prompt = [tok("go north", add_special_tokens=False)["input_ids"]]
+    before = eng.generate(prompt, n=1)[0][0].response_ids
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+    model._salvage_version = 1
+    eng.prepare()
+    after = eng.generate(prompt, n=1)[0][0].response_ids
+    assert after != before
