@@ -48,7 +48,13 @@ class EnvSpec:
     test_tasks: dict[str, Any] | None = None
     """Arguments of ``list_tasks("test", ...)``; None: the validation tasks."""
     num_workers: int = 0
-    """Environment worker processes (0: in the trainer's process)."""
+    """Environment worker processes (0: in the trainer's process) or Ray actors."""
+    backend: str = "process"
+    """``process`` (local worker processes) or ``ray`` (Ray actors, across machines; extra ``ray``)."""
+    ray_address: str | None = None
+    """backend=ray: cluster to join (None: a local Ray; ``auto``: the running cluster)."""
+    ray_num_cpus: float = 1.0
+    """backend=ray: CPUs reserved by each actor."""
     step_timeout_s: float = 60.0
     """A worker silent this long on one operation is declared hung and restarted."""
 
@@ -56,6 +62,10 @@ class EnvSpec:
         env_class(self.name)  # unknown names fail at config time, naming the key
         if self.num_workers < 0:
             raise ValueError(f"data.env.num_workers must be >= 0, got {self.num_workers}")
+        if self.backend not in ("process", "ray"):
+            raise ValueError(f"data.env.backend must be 'process' or 'ray', got {self.backend!r}")
+        if self.backend == "ray" and self.num_workers < 1:
+            raise ValueError(f"data.env.num_workers must be >= 1 with backend=ray, got {self.num_workers}")
         if self.step_timeout_s <= 0:
             raise ValueError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
 
@@ -117,8 +127,14 @@ class AgentDataModule(RolloutDataModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if self.pool is None:
-            self.pool = EnvPool(self.env_spec.name, self.env_spec.kwargs, self.env_spec.num_workers,
-                                self.env_spec.step_timeout_s)
+            spec = self.env_spec
+            if spec.backend == "ray":
+                from salvage.envs.ray_pool import RayEnvPool
+
+                self.pool = RayEnvPool(spec.name, spec.kwargs, spec.num_workers, spec.step_timeout_s,
+                                       address=spec.ray_address, num_cpus=spec.ray_num_cpus)
+            else:
+                self.pool = EnvPool(spec.name, spec.kwargs, spec.num_workers, spec.step_timeout_s)
             self.runner = AgentRunner(self.pool, self.fmt, self.max_turns)
         trainer = getattr(self, "trainer", None)
         if self.reports_score and trainer is not None and not any(
