@@ -208,3 +208,34 @@ def test_sgt_adds_an_nll_term_instead_of_replacing_groups(tmp_path):
     m = trainer.callback_metrics
     assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
     assert "b/loss/nll" in m and "a/loss/nll" in m and math.isfinite(float(m["b/loss/nll"]))
+
+
+def test_hacpo_pools_every_prompt_with_capability_advantages(tmp_path):
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="hacpo", kl_coef=1e-3)
+    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
+                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    cap = CaptureOrder()
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap])
+    trainer.fit(module, datamodule=data)
+    m = trainer.callback_metrics
+    assert float(m["graft/transferred_a_to_b"]) == 4 and float(m["graft/transferred_b_to_a"]) == 4
+    assert float(m["graft/weight_mean"]) == 1.0  # peer coefficient 1
+    assert cap.peer == {"a": [0, 1, 2, 3], "b": [0, 1, 2, 3]}
+    assert "a/loss/kl" in m and "b/loss/peer_clip_frac" in m
+
+
+def test_hacpo_receive_by_hand():
+    module, src, dst = _pair(mode="hacpo")
+    src_means = [sum(t.turns[0].logprobs) / len(t.turns[0].logprobs) for t in src.groups[0].trajectories]
+    w = module.receive(src, dst, [0], module.b)
+    g = dst.groups[0]
+    assert w == [1.0] * 4 and [t.source for t in g.trajectories] == ["self"] * 4 + ["peer"] * 4
+    assert [t.info["loss"] for t in g.trajectories[4:]] == ["hacpo"] * 4
+    assert [t.info["src_mean"] for t in g.trajectories[4:]] == pytest.approx(src_means)
+    # capabilities on this batch: receiver 0/4, peer 1/4 -> omega = 0.05 / 0.30 = 1/6
+    # rewards [0,0,0,0 | 1,0,0,0], weights [1,1,1,1 | 1/6 x 4]: b = (1/6) / (4 + 4/6) = 1/28
+    b = 1 / 28
+    var = (4 * b**2 + (1 / 6) * ((1 - b) ** 2 + 3 * b**2)) / (4 + 4 / 6)
+    assert g.trajectories[4].advantage == pytest.approx((1 - b) / math.sqrt(var), abs=1e-4)
+    assert g.trajectories[0].advantage == pytest.approx(-b / math.sqrt(var), abs=1e-4)

@@ -153,3 +153,39 @@ def hacpo_clip_range(step: int, eps: float = 0.2, ramp: float = 0.025) -> tuple[
 def hacpo_sequence_ratio(lbar_target: float, lbar_source: float) -> float:
     """HACPO's sequence-level ratio ``exp(mean logp_target - mean logp_source)``."""
     return math.exp(lbar_target - lbar_source)
+
+
+def capability_advantages(r_receiver: torch.Tensor, r_peer: torch.Tensor, c_receiver: float, c_peer: float,
+                          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """HACPO's capability-weighted group baseline over receiver || peer responses (ours where SPEC is silent).
+
+    The peer's responses count with weight ``omega = min(1, (c_receiver + 0.05) / (c_peer + 0.05))``
+    (``c``: each model's success rate on this batch), so a stronger peer does not raise
+    the receiver's baseline beyond its own reach: ``b = sum(w r) / sum(w)``,
+    ``sigma^2 = sum(w (r - b)^2) / sum(w)``, ``A = (r - b) / (sigma + eps)`` for all responses.
+    """
+    omega = min(1.0, (c_receiver + 0.05) / (c_peer + 0.05))
+    r = torch.cat([r_receiver, r_peer]).to(torch.float64)
+    w = torch.cat([torch.ones(r_receiver.numel()), torch.full((r_peer.numel(),), omega)]).to(torch.float64)
+    b = (w * r).sum() / w.sum()
+    sigma = ((w * (r - b) ** 2).sum() / w.sum()).sqrt()
+    a = ((r - b) / (sigma + eps)).to(torch.float32)
+    return a[: r_receiver.numel()], a[r_receiver.numel() :]
+
+
+def hacpo_token_loss(logprobs: torch.Tensor, mask: torch.Tensor, source_mean: torch.Tensor, advantages: torch.Tensor,
+                     low: float, high: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """HACPO's peer loss with a sequence-level ratio ``rho = exp(mean logp_target - mean logp_source)``.
+
+    Per row: ``-min(rho A, clip(rho, low, high) A)``, written on every response token of the
+    row (so token-mean aggregation weighs rows by length); returns (per-token loss, per-token
+    clipped flag). ``logprobs``/``mask``/``advantages``: [rows, T]; ``source_mean``: [rows].
+    """
+    m = mask.to(logprobs.dtype)
+    mean_lp = (logprobs * m).sum(-1) / m.sum(-1).clamp(min=1)
+    rho = torch.exp(mean_lp - source_mean.to(logprobs.dtype))
+    adv = (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+    unclipped, clipped_rho = rho * adv, rho.clamp(low, high) * adv
+    surrogate = torch.minimum(unclipped, clipped_rho)
+    was_clipped = (clipped_rho < unclipped).to(logprobs.dtype)
+    return -surrogate[:, None] * m, was_clipped[:, None] * m

@@ -34,6 +34,7 @@ from salvage.core.graft import (
     BALANCE,
     ORDERS,
     Transfers,
+    capability_advantages,
     compat_weight,
     compatibility,
     mean_logprob,
@@ -73,9 +74,13 @@ class GRAFTModule(L.LightningModule):
             admitted with probability ``p_admit``, weight 1; ours).
         peer_loss: ``clip`` (the receiver's clipped token ratio, GRAFT) or ``luffy``
             (LUFFY-style: ``-f(p) A`` with ``f(p) = p / (p + 0.1)``, behaviour prob 1, no clip).
-        mode: ``graft`` (replace the group) or ``sgt`` (SGT baseline: no replacement; an
+        mode: ``graft`` (replace the group), ``sgt`` (SGT baseline: no replacement; an
             NLL term of weight ``sgt_weight`` on one uniformly chosen correct peer response
-            for every prompt with k_receiver = 0 and k_source >= 1).
+            for every prompt with k_receiver = 0 and k_source >= 1) or ``hacpo`` (HACPO
+            baseline: on every prompt both models pool the peer's group with their own,
+            capability-weighted group baseline, peer loss with the sequence-level ratio
+            ``exp(mean logp_target - mean logp_source)`` clipped to
+            ``[1 - 0.2 + 0.025 step, 1]``, peer coefficient 1; set ``kl_coef: 1e-3``).
         seed: seed of the balancing and ordering streams.
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
     """
@@ -126,7 +131,7 @@ class GRAFTModule(L.LightningModule):
                                   ("peer_advantage", peer_advantage, ("source", "pooled")),
                                   ("admission", admission, ("compat", "random")),
                                   ("peer_loss", peer_loss, ("clip", "luffy")),
-                                  ("mode", mode, ("graft", "sgt"))):
+                                  ("mode", mode, ("graft", "sgt", "hacpo"))):
             if val not in allowed:
                 raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
         if not 0 <= p_admit <= 1:
@@ -191,7 +196,10 @@ class GRAFTModule(L.LightningModule):
         rng = random.Random(step_seed(hp.seed, self.global_step, 21))
         if hp.exchange and hp.mode == "sgt":
             return self._sgt_step(ra, rb, rng)
-        if hp.exchange:
+        if hp.exchange and hp.mode == "hacpo":  # every prompt, both directions
+            every = list(range(len(ra.groups)))
+            tr = Transfers(every, list(every), len(every), len(every))
+        elif hp.exchange:
             k_a = [sum(g.successes) for g in ra.groups]
             k_b = [sum(g.successes) for g in rb.groups]
             tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
@@ -321,12 +329,16 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
     arguments). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``).
     """
     hp = SimpleNamespace(**opts)
+    hacpo = opts.get("mode") == "hacpo"
     tok = receiver.tokenizer
     weights: list[float] = []
+    # HACPO: each model's capability = its success rate on this batch (before any exchange)
+    cap_src = sum(t.success for t in src.trajectories) / max(1, len(src.trajectories))
+    cap_recv = sum(t.success for t in dst.trajectories) / max(1, len(dst.trajectories))
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
         prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
-        peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all"]
+        peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all" or hacpo]
         if not peers:
             continue
         resp = []
@@ -341,7 +353,9 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
         trajs = []
         for t, ids, lp in zip(peers, resp, old, strict=True):
             s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
-            if hp.admission == "random":
+            if hacpo:
+                w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
+            elif hp.admission == "random":
                 w = 1.0 if rng.random() < hp.p_admit else 0.0
             else:
                 w = compat_weight(s, hp.delta, hp.gate, hp.floor)
@@ -349,9 +363,19 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
             trajs.append(Trajectory(
                 turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
                 reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
-                info={"compat": s, "loss": hp.peer_loss},
+                info={"compat": s, "loss": "hacpo" if hacpo else hp.peer_loss,
+                      "src_mean": mean_logprob(t.turns[0].logprobs)},
             ))
-        if hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
+        if hacpo:  # receiver || peer, capability-weighted baseline
+            own = list(dg.trajectories)
+            a_own, a_peer = capability_advantages(torch.tensor([t.reward for t in own]),
+                                                  torch.tensor([t.reward for t in trajs]), cap_recv, cap_src)
+            for t, a in zip(own, a_own.tolist(), strict=True):
+                t.advantage = a
+            for t, a in zip(trajs, a_peer.tolist(), strict=True):
+                t.advantage = a
+            trajs = own + trajs
+        elif hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
             own = list(dg.trajectories)
             a_own, a_peer = pooled_advantages(torch.tensor([t.reward for t in own]),
                                               torch.tensor([t.reward for t in trajs]), eps=1e-6)

@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from salvage.core.graft import luffy_token_loss
+from salvage.core.graft import hacpo_clip_range, hacpo_token_loss, luffy_token_loss
 from salvage.core.grpo import (
     AGGREGATIONS,
     aggregation_denominator,
@@ -85,6 +85,7 @@ class _Row:
     seq: int
     peer: bool = False
     luffy: bool = False
+    hacpo_src: float | None = None  # HACPO peer row: the source's mean generation log-prob
 
 
 class NonFiniteLossError(RuntimeError):
@@ -283,6 +284,7 @@ class GRPOModule(L.LightningModule):
                         seq=seq,
                         peer=traj.source != "self",
                         luffy=traj.info.get("loss") == "luffy",
+                        hacpo_src=traj.info.get("src_mean") if traj.info.get("loss") == "hacpo" else None,
                     )
                 )
             per_traj.append(idx)
@@ -491,6 +493,13 @@ class GRPOModule(L.LightningModule):
                 lm = torch.tensor([r.luffy for r in part], device=lp.device)[:, None]
                 loss_tok = torch.where(lm, luffy_token_loss(lp, tb.advantages), loss_tok)
                 clipped = torch.where(lm, torch.zeros_like(clipped), clipped)
+            if any(r.hacpo_src is not None for r in part):  # HACPO peer rows: sequence-level clipped ratio
+                hm = torch.tensor([r.hacpo_src is not None for r in part], device=lp.device)[:, None]
+                src = torch.tensor([r.hacpo_src or 0.0 for r in part], device=lp.device)
+                h_loss, h_clip = hacpo_token_loss(lp, tb.response_mask, src, tb.advantages,
+                                                  hacpo_clip_range(self._step)[0])
+                loss_tok = torch.where(hm, h_loss, loss_tok)
+                clipped = torch.where(hm, h_clip, clipped)
             aw = torch.zeros_like(lp)
             for i, r in enumerate(part):
                 aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
