@@ -7,7 +7,8 @@
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
-- Always on: ``CostTracker`` (GPU-hours) and ``RunSummary`` (a table at the end of fit);
+- Always on: ``CostTracker`` (GPU-hours), ``CheckpointCost`` (GPU-hours through each model's
+  best validation, and the joint cost; printed by ``salvage test``) and ``RunSummary`` (a table at the end of fit);
   unless the config has its own ``ModelCheckpoint``, ``last.ckpt`` is refreshed after every
   update, so a crashed run resumes with ``salvage fit ... --ckpt_path last``. One step of the trainer = one RL update.
 """
@@ -23,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
-from salvage.callbacks.cost import CostTracker  # noqa: E402
+from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
 from salvage.callbacks.summary import RunSummary  # noqa: E402
 from salvage.loggers import SafeCSVLogger  # noqa: E402
 
@@ -38,7 +39,7 @@ class SalvageCLI(LightningCLI):
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,
-                "callbacks": [CostTracker(), RunSummary()],
+                "callbacks": [CostTracker(), CheckpointCost(), RunSummary()],
             },
         )
         super().__init__(*args, **kwargs)

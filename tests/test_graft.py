@@ -239,3 +239,39 @@ def test_hacpo_receive_by_hand():
     var = (4 * b**2 + (1 / 6) * ((1 - b) ** 2 + 3 * b**2)) / (4 + 4 / 6)
     assert g.trajectories[4].advantage == pytest.approx((1 - b) / math.sqrt(var), abs=1e-4)
     assert g.trajectories[0].advantage == pytest.approx(-b / math.sqrt(var), abs=1e-4)
+
+
+def test_checkpoint_cost_by_hand():
+    from salvage.callbacks.cost import checkpoint_costs
+
+    # A peaked at step 10 (0.4 GPU-h spent by then), B at step 25 (1.1 GPU-h): the joint run
+    # must reach both, so it costs 1.1 GPU-h (through step 25)
+    c = checkpoint_costs({"a": (0.31, 10, 0.4), "b": (0.27, 25, 1.1)})
+    assert c == {"cost/ckpt_gpu_hours/a": 0.4, "cost/ckpt_gpu_hours/b": 1.1, "cost/joint_ckpt_gpu_hours": 1.1,
+                 "cost/joint_ckpt_step": 25.0}
+
+
+def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
+    run = tmp_path / "RUN"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", SALVAGE_PROGRESS="0",
+               COLUMNS="200")
+    common = ["--config", str(ROOT / "configs/graft/math_tiny.yaml"), "--trainer.default_root_dir", str(run),
+              "--trainer.enable_progress_bar", "false",
+              "--data.init_args.val", "{source: 'reasoning_gym:basic_arithmetic', size: 2, name: arith}",
+              "--data.init_args.val_samples", "2", "--data.init_args.val_batch_size", "2"]
+    fit = subprocess.run([sys.executable, "-m", "salvage.cli", "fit", *common, "--trainer.max_steps", "2",
+                          "--trainer.val_check_interval", "1", "--trainer.check_val_every_n_epoch", "null"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
+    joint = [float(r["cost/joint_ckpt_gpu_hours"]) for r in rows if r.get("cost/joint_ckpt_gpu_hours")]
+    assert joint and all(j > 0 for j in joint)
+    test = subprocess.run([sys.executable, "-m", "salvage.cli", "test", *common, "--ckpt_path",
+                           str(run / "checkpoints" / "last.ckpt")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert test.returncode == 0, test.stderr[-3000:]
+    out = test.stdout
+    assert "checkpoint cost" in out and "joint (later of the two)" in out
+    table = out[out.index("checkpoint cost"):]
+    assert any(line.strip("│ ").startswith("a ") for line in table.splitlines())
+    assert any(line.strip("│ ").startswith("b ") for line in table.splitlines())
