@@ -13,17 +13,12 @@ from pathlib import Path
 import pytest
 
 from salvage.core.agent import AgentFormat
+from salvage.core.webshop import fuzzy_ratio, normalize_color, title_words, webshop_score
 from salvage.datamodules.agent import EnvScoreMetrics
 from salvage.envs import RestoreError, make_env
 from salvage.envs.base import check_json
 from salvage.envs.pool import EnvPool
-from salvage.envs.webshop import (
-    WebShopEnv,
-    fuzzy_ratio,
-    normalize_color,
-    title_words,
-    webshop_score,
-)
+from salvage.envs.webshop import WebShopEnv
 from salvage.envs.webshop_synth import write_catalogue
 from salvage.rollout.agent import AgentRunner, OraclePolicy, Start
 from salvage.types import Group, RolloutBatch, Trajectory

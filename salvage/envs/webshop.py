@@ -29,16 +29,9 @@ on the search page and ``click[x]`` elsewhere (verl-agent's format). Anything el
 the state and observation stay unchanged and ``info["invalid_action"]`` is set. The episode
 ends at ``buy now`` (score s) or after ``step_limit`` (H = 15) actions (s = 0).
 
-Reward (``webshop_score``), the original ``get_reward`` (``engine/goal.py`` as of WebShop's
-current code; its first release matched options differently: exact for sizes, with a title /
-description fallback):
-``s = r_type * (M_attr + M_opt + 1[price <= price_upper]) / (N_attr + N_opt + 1)``;
-``M_attr`` counts goal attributes with ``token_set_ratio > 85`` against one of the product's
-attributes, or else contained in its title, features or description; ``M_opt`` counts goal
-options (``normalize_color``-ed) with ``token_set_ratio > 85`` against one chosen option value;
-``r_type`` is 1, lowered to 0.5 when neither the query nor >= 2 category levels nor > 20 % of
-the desired title's words match, to 0.1 below 10 % title words and to 0 at none.
-``won = s == 1`` at purchase (training reward ``10 * won``, SPEC §2.6).
+Reward: ``salvage.core.webshop.webshop_score``, the original ``get_reward`` (``engine/goal.py``
+as of WebShop's current code; its first release matched options differently), written out
+in that module's docstring. ``won = s == 1`` at purchase (training reward ``10 * won``, SPEC §2.6).
 
 Where this differs from the original (ours):
 - title words for ``r_type``: the original keeps the NOUN/PROPN tokens of spaCy's
@@ -81,6 +74,11 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
+from salvage.core.webshop import (
+    fuzzy_ratio,
+    normalize_color,
+    webshop_score,
+)
 from salvage.envs.base import ReplayEnv
 
 FILE_PAIRS = (("items_shuffle.json", "items_ins_v2.json"), ("items_shuffle_1000.json", "items_ins_v2_1000.json"))
@@ -94,94 +92,8 @@ LUCENE_STOP_WORDS = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their then there these they "
     "this to was will with".split()
 )
-# normalize_color's colour list (WebShop engine/normalize.py); the first one contained wins
-COLOR_SET = (
-    "alabaster apricot aqua ash asphalt azure banana beige black blue blush bordeaux bronze brown burgundy camel "
-    "camo caramel champagne charcoal cheetah chestnut chocolate christmas coffee cognac copper coral cranberry "
-    "cream crystal dark denim eggplant elephant espresso fuchsia gold granite grape graphite grass gray green grey "
-    "heather indigo ivory ivy khaki lavender lemon leopard light lilac lime magenta maroon mauve merlot midnight "
-    "mint mocha multicolor mushroom mustard natural navy nude olive orange peach pewter pink plum purple rainbow "
-    "red rose royal rust sand sapphire seashell silver skull slate steel stone stonewash sunflower tan taupe teal "
-    "tiger turquoise violet walnut wheat white wine yellow"
-).split()
-FUNCTION_WORDS = frozenset(
-    "a an the this that these those and or nor but so for of in on at to from by with without into onto over under "
-    "up down out off about as per via than then if is are was were be been being am do does did has have had will "
-    "would can could should may might must shall i me my we our you your he she it its they them their his her him "
-    "not no very too also just only all any some each every both either neither more most less least few many "
-    "much such own same other another what which who whom whose when where why how here there".split()
-)
 _PRICE_CLAUSE = re.compile(r",?\s*and price lower than [\d.]+ dollars\s*$")
 _ACTION = re.compile(r"\s*(search|click)\s*\[(.*)\]\s*", re.IGNORECASE | re.DOTALL)
-
-
-# ---------------------------------------------------------------------- reward (pure)
-def fuzzy_ratio(a: str, b: str) -> int:
-    """thefuzz's ``token_set_ratio``: processed strings, rapidfuzz's scorer, rounded."""
-    from rapidfuzz import fuzz, utils
-
-    pa = utils.default_process("".join(c for c in a if not 128 <= ord(c) <= 255))
-    pb = utils.default_process("".join(c for c in b if not 128 <= ord(c) <= 255))
-    if not pa or not pb:
-        return 0
-    return int(round(fuzz.token_set_ratio(pa, pb)))
-
-
-def normalize_color(value: str) -> str:
-    """The first colour of the list contained in ``value``, else ``value`` (as the original)."""
-    return next((c for c in COLOR_SET if c in value), value)
-
-
-def title_words(name: str) -> set[str]:
-    """Type words of a product name (ours: stands in for spaCy's NOUN/PROPN tokens)."""
-    return {w for w in re.findall(r"[a-z]+(?:[.'][a-z]+)*", name.lower()) if len(w) >= 2 and w not in FUNCTION_WORDS}
-
-
-def type_reward(product: dict[str, Any], goal: dict[str, Any]) -> dict[str, Any]:
-    query_match = product["query"] == goal["query"]
-    cats_p = {x.strip() for x in product["product_category"].split("›")}
-    cats_g = {x.strip() for x in goal["product_category"].split("›")}
-    category_match = len(cats_p & cats_g) >= 2
-    want, got = title_words(goal["name"]), title_words(product["name"])
-    title_score = len(want & got) / len(want) if want else 0.2
-    r_type = 1.0
-    if not (query_match or category_match or title_score > 0.2):
-        r_type = 0.5
-    if title_score < 0.1:
-        r_type = 0.1
-    if title_score == 0.0:
-        r_type = 0.0
-    return {"r_type": r_type, "query_match": query_match, "category_match": category_match,
-            "title_score": title_score}
-
-
-def attribute_matches(product: dict[str, Any], goal_attrs: list[str]) -> int:
-    text = [product["Title"].lower(), " ".join(product["BulletPoints"]).lower(), product["Description"].lower()]
-    n = 0
-    for g in goal_attrs:
-        if any(fuzzy_ratio(p, g) > 85 for p in product["Attributes"]) or any(g in t for t in text):
-            n += 1
-    return n
-
-
-def option_matches(chosen: list[str], goal_options: list[str]) -> int:
-    chosen = [normalize_color(o) for o in chosen]
-    return sum(any(fuzzy_ratio(p, normalize_color(g)) > 85 for p in chosen) for g in goal_options)
-
-
-def webshop_score(product: dict[str, Any], goal: dict[str, Any], price: float,
-                  options: dict[str, str]) -> tuple[float, dict[str, Any]]:
-    """The original task score s in [0, 1] of buying ``product`` with ``options`` at ``price``."""
-    t = type_reward(product, goal)
-    goal_opts = goal["goal_options"]
-    goal_opts = list(goal_opts.values()) if isinstance(goal_opts, dict) else list(goal_opts)
-    r_price = bool(price <= goal["price_upper"]) if goal["price_upper"] > 0 else False
-    m_attr = attribute_matches(product, goal["attributes"])
-    m_opt = option_matches(list(options.values()), goal_opts)
-    denom = len(goal["attributes"]) + len(goal_opts) + 1
-    score = (m_attr + m_opt + float(r_price)) / denom * t["r_type"]
-    return score, {**t, "attr_matches": m_attr, "option_matches": m_opt, "price_ok": r_price,
-                   "num_attrs": len(goal["attributes"]), "num_options": len(goal_opts)}
 
 
 # ---------------------------------------------------------------------- catalogue
