@@ -275,3 +275,31 @@ def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
     table = out[out.index("checkpoint cost"):]
     assert any(line.strip("│ ").startswith("a ") for line in table.splitlines())
     assert any(line.strip("│ ").startswith("b ") for line in table.splitlines())
+
+
+def test_exchange_reports_progress_per_transferred_group(monkeypatch):
+    import contextlib
+
+    import salvage.modules.graft as graft_mod
+
+    seen = []
+
+    @contextlib.contextmanager
+    def recorder(description, total, unit="it", console=None):
+        rec = {"description": description, "total": total, "unit": unit, "done": 0}
+        seen.append(rec)
+
+        class Bar:
+            def advance(self, n=1.0, **fields):
+                rec["done"] += n
+
+        yield Bar()
+
+    monkeypatch.setattr(graft_mod, "stage", recorder)
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
+    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
+                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    assert seen == [{"description": "GRAFT exchange", "total": 2, "unit": "group", "done": 2}]

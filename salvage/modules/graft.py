@@ -49,6 +49,7 @@ from salvage.distributed import FSDPConfig, gathered, run_file
 from salvage.lm import response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.grpo import GRPOModule
+from salvage.progress import stage
 from salvage.types import Group, RolloutBatch, SeqTarget, Trajectory, Turn
 
 
@@ -180,9 +181,10 @@ class GRAFTModule(L.LightningModule):
 
     # ------------------------------------------------------------------ exchange
     def receive(self, src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule,
-                rng: random.Random | None = None) -> list[float]:
+                rng: random.Random | None = None, bar: Any = None) -> list[float]:
         """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted."""
-        return transplant(src, dst, prompts, receiver, dict(self.hparams), rng or random.Random(self.hparams.seed))
+        return transplant(src, dst, prompts, receiver, dict(self.hparams), rng or random.Random(self.hparams.seed),
+                          bar)
 
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
         is_peer = [bool(g.info.get("peer")) for g in batch.groups]
@@ -214,9 +216,10 @@ class GRAFTModule(L.LightningModule):
         # B receives from A and A from B, each from the other's own (pre-exchange) groups
         own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
         own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
-        with gathered(self.a.policy, self.b.policy):  # receiver likelihoods: local forwards under FSDP
-            w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng)
-            w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng)
+        with gathered(self.a.policy, self.b.policy), stage(  # receiver likelihoods: local forwards under FSDP
+                "GRAFT exchange", total=len(tr.a_to_b) + len(tr.b_to_a), unit="group") as bar:
+            w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar)
+            w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar)
         self._order(ra, rng)
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
@@ -322,7 +325,7 @@ class GRAFTModule(L.LightningModule):
 
 
 def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule, opts: dict[str, Any],
-           rng: random.Random) -> list[float]:
+               rng: random.Random, bar: Any = None) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
     ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, p_admit, peer_loss (GRAFTModule's
@@ -385,4 +388,6 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
                 t.advantage = a
             trajs = own + trajs
         dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True})
+        if bar is not None:
+            bar.advance(1)
     return weights
