@@ -43,15 +43,27 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
+    first: int = 0,
 ) -> torch.Tensor:
     """log pi(x_t | x_<t) / T-tempered, for t = 1..T-1; shape (B, T-1), float32.
 
     Rows must be right-padded (see ``pad_right``) so that positions match an unpadded
     forward pass. Values at padded positions are meaningless; mask them.
+    ``first``: output positions before it are not needed (prompt tokens): the LM head and
+    the log-softmax run only from there (HF ``logits_to_keep``; the same values, the
+    skipped positions are 0).
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    T = input_ids.shape[1]
+    first = max(0, min(int(first), T - 1))
+    if first:
+        try:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=T - first)
+        except TypeError:  # a model without logits_to_keep: score every position
+            first = 0
+    if not first:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     logits = out.logits[:, :-1, :]
-    targets = input_ids[:, 1:]
+    targets = input_ids[:, 1 + first :]
     rows = []
     for i in range(logits.shape[0]):  # one row at a time: bounds the fp32 copy to T x V
         lg = logits[i].float()
@@ -59,7 +71,10 @@ def token_logprobs(
             lg = lg / temperature
         lp = torch.log_softmax(lg, dim=-1)
         rows.append(lp.gather(-1, targets[i].unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows, dim=0)
+    got = torch.stack(rows, dim=0)
+    if first:
+        got = torch.cat([got.new_zeros(got.shape[0], first), got], dim=1)
+    return got
 
 
 @torch.no_grad()
@@ -82,7 +97,7 @@ def response_logprobs(
             rs = responses[start : start + batch_size]
             seqs = [list(p) + list(r) for p, r in zip(ps, rs, strict=True)]
             ids, mask = pad_right(seqs, pad_id, device)
-            lp = token_logprobs(model, ids, mask, temperature)
+            lp = token_logprobs(model, ids, mask, temperature, first=min(len(p) for p in ps) - 1)
             for i, (p, r) in enumerate(zip(ps, rs, strict=True)):
                 a = len(p) - 1
                 out.append(lp[i, a : a + len(r)].tolist())

@@ -111,3 +111,19 @@ def test_engine_rejects_bad_settings(tiny):
         HFEngine(model, tok, top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         HFEngine(model, tok, max_new_tokens=0)
+
+
+def test_token_logprobs_from_first_position_equal_the_full_pass(tiny):
+    from salvage.lm import pad_right, token_logprobs
+
+    model, tok = tiny
+    model.eval()
+    seqs = [tok("what is 3 + 4 ? the answer is 7", add_special_tokens=False)["input_ids"],
+            tok("go north then take the coin", add_special_tokens=False)["input_ids"]]
+    ids, mask = pad_right(seqs, int(tok.pad_token_id), "cpu")
+    with torch.no_grad():
+        full = token_logprobs(model, ids, mask, 0.7)
+        part = token_logprobs(model, ids, mask, 0.7, first=4)
+    assert part.shape == full.shape
+    assert torch.allclose(part[:, 4:], full[:, 4:], atol=1e-6)
+    assert torch.all(part[:, :4] == 0)
