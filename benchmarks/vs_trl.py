@@ -1,0 +1,265 @@
+"""salvage's GRPO loop vs TRL's ``GRPOTrainer``: rollout and update throughput, step time.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/vs_trl.py \
+        [--trl-python /work/trl-venv/bin/python] [--models tiny smollm2-135m-instruct] [--rounds 2]
+
+TRL lives in its own virtual environment (``python3 -m venv /work/trl-venv``, then
+``pip install torch==2.13.0 trl math-verify`` and ``pip install --no-deps -e .`` for the
+shared reward code); this script runs each side in a fresh subprocess, salvage's in this
+interpreter and TRL's in ``--trl-python`` (``benchmarks/_trl_side.py``), alternately
+(salvage, TRL, then TRL, salvage, ... for ``--rounds``) so that machine noise hits both.
+
+Both sides get: the same weights (``tiny`` is saved once as an HF directory; SmolLM2 is
+salvage's local safetensors cache), the same prompts in the same step order (reasoning-gym
+basic_arithmetic; the order salvage's ``StepBatches`` draws, handed to TRL with
+``shuffle_dataset=False``), the same math-verify reward code, P prompts x G samples x <= L
+new tokens, temperature 1, top-p 1, no top-k, fp32 on CPU, the same thread count,
+AdamW at a constant lr (salvage: ``torch.optim.AdamW`` as configured, which runs its
+for-loop kernel on CPU; TRL: its default ``adamw_torch_fused``; ``--trl-optim adamw_torch``
+gives TRL salvage's kernel, ``--salvage-optim adamw_fused`` patches salvage's optimiser to
+the fused kernel in the benchmark process only), grad-norm clip 1.0, beta = 0 (no reference model), clip
+0.2 / 0.28, token-mean loss, std-normalised group advantages, and per generation batch
+the same work: K optimiser steps of P*G/K sequences in micro-batches of M (TRL:
+``per_device_train_batch_size=M``, ``gradient_accumulation_steps=P*G/(K*M)``,
+``steps_per_generation=P*G/M``, ``num_iterations=1``, which makes TRL compute the
+old-policy log-probs with one extra forward pass, as salvage's engine does), TRL's
+gradient checkpointing off (its default is on).
+
+Timed, per RL step (one generation batch and its K optimiser steps); first step dropped:
+- salvage: rollout = ``RLVRDataModule.train_rollout`` (tokenise, ``generate``, behaviour
+  log-prob pass, reward, advantages); update = ``GRPOModule.update`` (rows, collation,
+  forward, loss, backward, clip, AdamW, scheduler, metrics); step = wall time between
+  consecutive ``on_train_batch_end``.
+- TRL: see ``_trl_side.py`` (``_generate_and_score_completions``; ``on_step_begin`` ->
+  ``on_step_end`` less the rollout inside it; wall time between RL-step ends).
+Update tok/s = (non-pad prompt + completion tokens trained on) / update time; rollout
+tok/s = generated tokens / rollout time. Not a test; compare ratios on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = {  # P prompts x G samples x L new tokens, K minibatches, micro-batch M, RL steps (first is warm-up)
+    "tiny": dict(prompts=4, n=4, new_tokens=64, minibatches=2, micro_batch=8, steps=5),
+    "smollm2-135m-instruct": dict(prompts=2, n=4, new_tokens=32, minibatches=2, micro_batch=4, steps=6),
+}
+
+
+# --------------------------------------------------------------------------- salvage side
+
+
+def salvage_side(spec: dict, out_path: str) -> None:
+    import torch
+
+    torch.set_num_threads(int(spec["threads"]))
+    import lightning as L
+
+    from salvage.datamodules.rlvr import RLVRDataModule
+    from salvage.models import PolicySpec
+    from salvage.modules.grpo import GRPOModule
+    from salvage.rollout.config import EngineConfig
+    from salvage.tasks.math import MathData
+
+    if spec.get("salvage_optim") == "adamw_fused":  # what-if: fused AdamW (a patch here, salvage unchanged)
+        def fused_optimizers(self):  # noqa: ANN001, ANN202
+            hp = self.hparams
+            params = [p for p in self.policy.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay, fused=True)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, self._lr_lambda)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        GRPOModule.configure_optimizers = fused_optimizers
+    P, G, M = spec["prompts"], spec["n"], spec["micro_batch"]
+    module = GRPOModule(policy=PolicySpec(spec["model_dir"]), lr=spec["lr"], num_minibatches=spec["minibatches"],
+                        micro_batch_size=M, kl_coef=0.0, clip_eps_low=0.2, clip_eps_high=0.28,
+                        loss_agg="token-mean", max_grad_norm=1.0)
+    data = RLVRDataModule(train=MathData(source=spec["jsonl"]), prompts_per_step=P, group_size=G,
+                          engine=EngineConfig(temperature=1.0, top_p=1.0, max_new_tokens=spec["new_tokens"],
+                                              batch_size=P * G, logprob_batch_size=M), seed=0)
+    rec: dict[str, list[float]] = {"rollout_s": [], "gen_tokens": [], "upd_tokens": [], "update_s": [],
+                                   "step_end": [], "resp_len": []}
+
+    inner_rollout = data.train_rollout
+
+    def timed_rollout(tasks):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        batch = inner_rollout(tasks)
+        rec["rollout_s"].append(time.perf_counter() - t0)
+        trajs = batch.trajectories
+        rec["gen_tokens"].append(float(sum(t.num_response_tokens for t in trajs)))
+        rec["upd_tokens"].append(float(sum(len(u.prompt_ids) + len(u.response_ids)
+                                           for t in trajs for u in t.turns if u.train and u.response_ids)))
+        rec["resp_len"].append(rec["gen_tokens"][-1] / max(len(trajs), 1))
+        return batch
+
+    data.train_rollout = timed_rollout
+    inner_update = module.update
+
+    def timed_update(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        out = inner_update(*a, **kw)
+        rec["update_s"].append(time.perf_counter() - t0)
+        return out
+
+    module.update = timed_update
+
+    class StepEnd(L.Callback):
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+            rec["step_end"].append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as d:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["steps"], logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, callbacks=[StepEnd()], default_root_dir=d)
+        t0 = time.perf_counter()
+        trainer.fit(module, datamodule=data)
+        rec["wall_s"] = [time.perf_counter() - t0]
+    rec["params_M"] = [sum(p.numel() for p in module.policy.parameters()) / 1e6]
+    json.dump(rec, open(out_path, "w"))
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def prepare(model: str, work: Path, steps: int, prompts: int) -> tuple[str, Path, Path]:
+    """The model directory both sides load, salvage's task file, TRL's prompts in salvage's order."""
+    from salvage.datamodules.base import StepBatches
+    from salvage.models import PolicySpec, load_policy, smollm2_checkpoint
+    from salvage.tasks.math import MathData, load_math_tasks
+
+    if model == "tiny":
+        mdir = work / "tiny"
+        if not (mdir / "config.json").exists():
+            m, tok = load_policy(PolicySpec("tiny"))
+            m.save_pretrained(mdir)
+            tok.save_pretrained(mdir)
+    elif model == "smollm2-135m-instruct":
+        mdir = smollm2_checkpoint()
+    else:
+        mdir = Path(model)
+    tasks, _ = load_math_tasks(MathData(source="reasoning_gym:basic_arithmetic", size=64))
+    jsonl = work / "tasks.jsonl"
+    with jsonl.open("w") as f:
+        for t in tasks:
+            f.write(json.dumps({"id": t.id, "problem": t.messages[-1]["content"], "answer": t.answer}) + "\n")
+    order = StepBatches(len(tasks), prompts, 0, SimpleNamespace(world_size=1, global_rank=0, global_step=0))
+    rows = [{"messages": tasks[i].messages, "answer": tasks[i].answer} for k in range(steps) for i in order.batch(k)]
+    trl_tasks = work / f"trl_tasks_{prompts}_{steps}.json"
+    trl_tasks.write_text(json.dumps(rows))
+    return str(mdir), jsonl, trl_tasks
+
+
+def run_side(side: str, spec: dict, work: Path, trl_python: str, tag: str) -> dict:
+    spec_path, out = work / f"spec_{tag}.json", work / f"out_{tag}.json"
+    spec_path.write_text(json.dumps(spec))
+    th = str(spec["threads"])
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=th, MKL_NUM_THREADS=th,
+               TOKENIZERS_PARALLELISM="false", SALVAGE_PROGRESS="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
+    if side == "salvage":
+        cmd = [sys.executable, __file__, "--side", "salvage", str(spec_path), str(out)]
+    else:
+        cmd = [trl_python, str(ROOT / "benchmarks" / "_trl_side.py"), str(spec_path), str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{side} side failed ({tag}):\n{proc.stderr[-4000:]}")
+    res = json.loads(out.read_text())
+    res["proc_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarise(runs: list[dict]) -> dict[str, float]:
+    """Per-step figures pooled over rounds, first RL step of each run dropped; medians."""
+    roll, upd, step, resp = [], [], [], []
+    for r in runs:
+        n = min(len(r["rollout_s"]), len(r["update_s"]))
+        for k in range(1, n):
+            roll.append(r["gen_tokens"][k] / r["rollout_s"][k])
+            upd.append(r["upd_tokens"][k] / r["update_s"][k])
+            resp.append(r["resp_len"][k])
+        ends = r["step_end"]
+        step += [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    med = statistics.median
+    return {"rollout_tok_s": med(roll), "update_tok_s": med(upd), "step_s": med(step), "resp_len": med(resp),
+            "params_M": runs[0]["params_M"][0], "n": len(upd), "proc_s": sum(r["proc_s"] for r in runs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--side", help=argparse.SUPPRESS)
+    ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--models", nargs="+", default=list(SETTINGS))
+    ap.add_argument("--trl-python", default="/work/trl-venv/bin/python")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--raw", help="also write every run's per-step records to this JSON file")
+    ap.add_argument("--trl-optim", default="adamw_torch_fused",
+                    help="TRL's optim (its default on torch >= 2.8: adamw_torch_fused; adamw_torch = salvage's AdamW)")
+    ap.add_argument("--salvage-optim", default="adamw", choices=("adamw", "adamw_fused"),
+                    help="adamw: salvage as it is (torch.optim.AdamW, for-loop on CPU); adamw_fused: what-if patch")
+    a = ap.parse_args()
+    if a.side == "salvage":
+        spec_path, out = a.args
+        return salvage_side(json.loads(Path(spec_path).read_text()), out)
+    if not Path(a.trl_python).exists():
+        sys.exit(f"no TRL interpreter at {a.trl_python} (see the docstring for the venv)")
+    trl_version = subprocess.run([a.trl_python, "-c", "import trl, transformers, torch; "
+                                  "print(trl.__version__, transformers.__version__, torch.__version__)"],
+                                 capture_output=True, text=True, check=True).stdout.split()
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    raw: dict[str, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as d:
+        work = Path(d)
+        for model in a.models:
+            s = dict(SETTINGS.get(model, SETTINGS["smollm2-135m-instruct"]))
+            mdir, jsonl, trl_tasks = prepare(model, work, s["steps"], s["prompts"])
+            spec = dict(s, model_dir=mdir, jsonl=str(jsonl), tasks=str(trl_tasks), lr=a.lr, threads=a.threads,
+                        trl_optim=a.trl_optim, salvage_optim=a.salvage_optim)
+            runs: dict[str, list[dict]] = {"salvage": [], "trl": []}
+            for r in range(a.rounds):
+                order = ("salvage", "trl") if r % 2 == 0 else ("trl", "salvage")
+                for side in order:
+                    runs[side].append(run_side(side, spec, work, a.trl_python, f"{side}_{r}"))
+                    print(f"  {model} round {r + 1} {side}: {runs[side][-1]['proc_s']:.0f} s", file=sys.stderr)
+            results[model] = {side: summarise(v) for side, v in runs.items()}
+            raw[model] = runs
+    if a.raw:
+        Path(a.raw).write_text(json.dumps(raw, indent=1))
+    print(f"\nsalvage GRPO vs TRL {trl_version[0]} GRPOTrainer (transformers {trl_version[1]}, torch {trl_version[2]}), "
+          f"CPU fp32, {a.threads} threads, {a.rounds} alternating rounds, median over RL steps 2.. of each run; "
+          f"optimiser: salvage {a.salvage_optim}, TRL {a.trl_optim}")
+    for model in a.models:
+        s = SETTINGS.get(model, SETTINGS["smollm2-135m-instruct"])
+        print(f"- {model}: {s['prompts']} prompts x {s['n']} samples x <= {s['new_tokens']} new tokens, "
+              f"{s['minibatches']} optimiser steps of {s['prompts'] * s['n'] // s['minibatches']} seqs "
+              f"(micro-batch {s['micro_batch']}) per RL step, {s['steps']} RL steps per run")
+    print("| model | side | rollout tok/s | update tok/s | step (s) | response len | ratio salvage/TRL (rollout / update / step time) |")
+    print("|---|---|---|---|---|---|---|")
+    for model, res in results.items():
+        sv, tr = res["salvage"], res["trl"]
+        for side, r in (("salvage", sv), ("TRL", tr)):
+            ratio = (f"{sv['rollout_tok_s'] / tr['rollout_tok_s']:.2f}x / {sv['update_tok_s'] / tr['update_tok_s']:.2f}x / "
+                     f"{sv['step_s'] / tr['step_s']:.2f}x") if side == "salvage" else ""
+            print(f"| {model} | {side} | {r['rollout_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | {r['step_s']:.2f} | "
+                  f"{r['resp_len']:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
