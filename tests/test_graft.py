@@ -202,7 +202,7 @@ def test_sgt_adds_an_nll_term_instead_of_replacing_groups(tmp_path):
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="sgt", sgt_weight=0.1)
     data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
                             group_size=4, engine=EngineConfig(max_new_tokens=8))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
@@ -215,7 +215,7 @@ def test_hacpo_pools_every_prompt_with_capability_advantages(tmp_path):
     data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
                             group_size=4, engine=EngineConfig(max_new_tokens=8))
     cap = CaptureOrder()
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[cap])
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
@@ -277,7 +277,7 @@ def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
     assert any(line.strip("│ ").startswith("b ") for line in table.splitlines())
 
 
-def test_exchange_reports_progress_per_transferred_group(monkeypatch):
+def test_exchange_reports_progress_per_transferred_group(monkeypatch, tmp_path):
     import contextlib
 
     import salvage.modules.graft as graft_mod
@@ -299,7 +299,7 @@ def test_exchange_reports_progress_per_transferred_group(monkeypatch):
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
     data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
                             group_size=4, engine=EngineConfig(max_new_tokens=8))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
     assert seen == [{"description": "GRAFT exchange", "total": 2, "unit": "group", "done": 2}]
