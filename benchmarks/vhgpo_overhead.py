@@ -1,6 +1,9 @@
 """VH-GPO overhead on TextWorld-Express: extra output tokens and extra wall time vs GRPO.
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/vhgpo_overhead.py [--steps 3]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/vhgpo_overhead.py [--steps 3] [--source-rate]
+
+``--source-rate``: the source's batch shape and rescue cap (16 tasks x 8 rollouts per
+update, at most 2 rescued groups), so the extra-token ratio is measured at its rescue rate.
 
 Runs ``configs/vhgpo/twx_tiny.yaml`` twice in one process, same seed and SFT warm start:
 with the ``VerifiedHandoff`` rescue stage and with none (plain GRPO), and prints
@@ -35,13 +38,17 @@ def run(steps: int, extra: list[str], root: Path) -> list[dict[str, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--source-rate", action="store_true", help="16 tasks x 8 rollouts, <= 2 rescued groups per update")
     a = ap.parse_args()
+    shape = ["--data.init_args.tasks_per_step", "16", "--data.init_args.group_size", "8"] if a.source_rate else []
     with tempfile.TemporaryDirectory() as d:
-        vh = run(a.steps, [], Path(d) / "vhgpo")
-        base = run(a.steps, ["--config", str(ROOT / "configs/vhgpo/ablations/grpo_baseline.yaml")], Path(d) / "grpo")
+        vh = run(a.steps, shape, Path(d) / "vhgpo")
+        base = run(a.steps, ["--config", str(ROOT / "configs/vhgpo/ablations/grpo_baseline.yaml"), *shape],
+                   Path(d) / "grpo")
     step = lambda rows: sum(float(r["perf/step_s"]) for r in rows)  # noqa: E731
     last = vh[-1]
-    print(f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml, {a.steps} updates")
+    where = "16 tasks x 8 rollouts, <= 2 rescued groups" if a.source_rate else "8 tasks x 4 rollouts"
+    print(f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml ({where}), {a.steps} updates")
     print("| metric | value |")
     print("|---|---|")
     print(f"| zero-signal groups / selected / retained | {last['relay/zero_signal_groups_cum']} / "
