@@ -303,3 +303,18 @@ def test_exchange_reports_progress_per_transferred_group(monkeypatch, tmp_path):
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
     assert seen == [{"description": "GRAFT exchange", "total": 2, "unit": "group", "done": 2}]
+
+
+def test_rollout_metrics_describe_the_receivers_own_samples(tmp_path):
+    """B solved nothing; after it receives A's group its rollout success must still be 0."""
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
+    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
+                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, datamodule=data)
+    m = trainer.callback_metrics
+    # scripted: A solved 1 of 16 (prompt 0), B 2 of 16 (prompt 1); each received the other's group
+    assert float(m["a/rollout/success_rate"]) == pytest.approx(1 / 16)
+    assert float(m["b/rollout/success_rate"]) == pytest.approx(2 / 16)
+    assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1

@@ -333,6 +333,8 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
     """
     hp = SimpleNamespace(**opts)
     hacpo = opts.get("mode") == "hacpo"
+    # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
+    dst.extras.setdefault("own_groups", list(dst.groups))
     tok = receiver.tokenizer
     weights: list[float] = []
     # HACPO: each model's capability = its success rate on this batch (before any exchange)

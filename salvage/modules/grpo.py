@@ -617,7 +617,10 @@ class GRPOModule(L.LightningModule):
             self._step_log = {}
 
     def log_rollout(self, batch: RolloutBatch) -> None:
-        trajs = batch.trajectories
+        """``rollout/*``: this policy's own rollouts (before any exchange replaced groups)."""
+        own = batch.extras.get("own_groups")
+        groups = batch.groups if own is None else own
+        trajs = [t for g in groups for t in g.trajectories]
         m = self.step_metrics
         for t in trajs:
             m.update("rollout/reward_mean", t.reward)
@@ -626,7 +629,7 @@ class GRPOModule(L.LightningModule):
             m.update("rollout/turns", float(len(t.turns)))
             for turn in t.turns:
                 m.update("rollout/invalid_turn_frac", float(not turn.valid))
-        for g in batch.groups:
+        for g in groups:
             m.update("rollout/zero_signal_frac", float(g.zero_signal))
         st = batch.stats
         if st.get("time_generate", 0) > 0:
