@@ -55,6 +55,10 @@ def main() -> None:
           f"{last['relay/selected_cum']} / {last['relay/retained_cum']} |")
     print(f"| extra output tokens / root output tokens | {100 * float(last['cost/extra_token_ratio']):.2f}% |")
     print(f"| summed step time VH-GPO / GRPO | {step(vh) / step(base):.2f}x |")
+    parts = {k: float(last.get(f"cost/extra_tokens_{k}") or 0.0) for k in ("teacher", "search", "confirm", "student")}
+    total, ratio = sum(parts.values()), float(last["cost/extra_token_ratio"])
+    for k, v in parts.items():  # each part's share of the root tokens
+        print(f"| of which {k} / root output tokens | {100 * ratio * v / total if total else 0.0:.2f}% |")
 
 
 if __name__ == "__main__":
