@@ -171,13 +171,24 @@ def shard_model(model: torch.nn.Module, mesh: Any, cfg: FSDPConfig, frozen: bool
             param_dtype=_DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
             reduce_dtype=_DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
         )
-    if cfg.cpu_offload or (frozen and cfg.reference == "offload"):
+    if wants_offload(cfg, frozen, getattr(mesh, "device_type", "cpu")):
         kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
     for layer in decoder_layers(model):
         fsdp.fully_shard(layer, **kwargs)
     fsdp.fully_shard(model, **kwargs)
     setattr(model, "_salvage_reshard", cfg.reshard_after_forward)  # noqa: B010 - read back by gathered()
     return model
+
+
+def wants_offload(cfg: FSDPConfig, frozen: bool, device_type: str) -> bool:
+    """Whether to offload this model's shards to CPU memory; a clear error on a CPU mesh,
+    where FSDP2's offload needs an accelerator (and the shards already live in CPU memory)."""
+    want = cfg.cpu_offload or (frozen and cfg.reference == "offload")
+    if want and device_type == "cpu":
+        key = "model.fsdp.cpu_offload" if cfg.cpu_offload else "model.fsdp.reference=offload"
+        raise ValueError(f"{key} needs a GPU mesh: on CPU the shards are in CPU memory already; "
+                         "use reference: shard (or cpu_offload: false)")
+    return want
 
 
 _GATHERED: set[int] = set()

@@ -126,8 +126,8 @@ class FixedData(L.LightningDataModule):
         return build_batch(self.kind, rank, n)
 
 
-def make_module(kind: str) -> L.LightningModule:
-    common = dict(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0, fsdp=FSDPConfig())
+def make_module(kind: str, fsdp: FSDPConfig | None = None) -> L.LightningModule:
+    common = dict(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0, fsdp=fsdp or FSDPConfig())
     if kind == "grpo":
         from salvage.modules.grpo import GRPOModule
 
@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
     ap.add_argument("--checkpoint", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--reference", default="shard", choices=["shard", "offload", "replicate"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -176,7 +178,8 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=1, logger=False,
                         enable_checkpointing=args.checkpoint, callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(out), **kw)
-    module = make_module(args.kind)
+    module = make_module(args.kind, FSDPConfig(activation_checkpointing=args.activation_checkpointing,
+                                               reference=args.reference))
     trainer.fit(module, datamodule=FixedData(args.kind))
     rank, _ = world()
     shards = {}

@@ -58,6 +58,18 @@ def test_single_process_helpers_are_identities(tiny):
         assert type(next(model.parameters())) is torch.nn.Parameter
 
 
+def test_offload_is_refused_clearly_on_a_cpu_mesh():
+    from salvage.distributed import wants_offload
+
+    assert wants_offload(FSDPConfig(reference="offload"), frozen=True, device_type="cuda")
+    assert not wants_offload(FSDPConfig(reference="offload"), frozen=False, device_type="cuda")
+    assert not wants_offload(FSDPConfig(), frozen=True, device_type="cpu")
+    with pytest.raises(ValueError, match="model.fsdp.reference=offload needs a GPU mesh"):
+        wants_offload(FSDPConfig(reference="offload"), frozen=True, device_type="cpu")
+    with pytest.raises(ValueError, match="model.fsdp.cpu_offload needs a GPU mesh"):
+        wants_offload(FSDPConfig(cpu_offload=True), frozen=False, device_type="cpu")
+
+
 def test_fsdp_config_rejects_bad_values():
     with pytest.raises(ValueError, match="model.fsdp.param_dtype"):
         FSDPConfig(param_dtype="fp8")
@@ -114,6 +126,15 @@ def test_fsdp2_step_equals_single_process_step(kind, tmp_path):
 
         # SUCC_A / SUCC_B: q0 and q2 go A -> B (B solved none), q3 goes B -> A
         assert moved(one) == moved(two) == [2, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--activation-checkpointing"], ["--reference", "replicate"]],
+                         ids=["activation-checkpointing", "replicated-reference"])
+def test_fsdp2_switches_keep_the_step_equal(extra, tmp_path):
+    one = _run("grpo", tmp_path / "one", 1)
+    two = _run("grpo", tmp_path / "two", 2, *extra)
+    _check_equal("grpo", one, two, tol=2e-5)
 
 
 @pytest.mark.slow
