@@ -382,10 +382,8 @@ class GRPOModule(L.LightningModule):
         for c in range(lockstep(-(-len(targets) // mbs))):
             part = targets[c * mbs : (c + 1) * mbs]
             if not part:
-                dummy = self.dummy_loss()  # the same forward as a real micro-batch
-                if not self.finite(dummy):
+                if not self.keep_in_step():
                     return torch.tensor(float("nan"))
-                self.backward_loss(dummy)
                 continue
             ids, mask = pad_right([t.prompt_ids + t.response_ids for t in part], pad, self.device)
             lp = token_logprobs(self.policy, ids, mask, 1.0)
@@ -412,14 +410,18 @@ class GRPOModule(L.LightningModule):
         """Whether the loss is finite on every rank (all ranks skip together)."""
         return all_true(bool(torch.isfinite(loss).all()))
 
-    def dummy_loss(self) -> torch.Tensor:
-        """A zero-weight loss through the policy: a rank with fewer micro-batches runs its
-        forward and backward, so it issues the same collectives in the same order as the
-        others (FSDP all-gathers, the finiteness vote, reduce-scatters)."""
+    def keep_in_step(self) -> bool:
+        """A zero-weight micro-batch for a rank that has run out of real ones: the same
+        forward, finiteness vote and backward as the others, so every rank issues the same
+        collectives in the same order (FSDP all-gathers, the vote, reduce-scatters).
+        False when some rank's loss was not finite (every rank stops its loop)."""
         pad = int(self.tokenizer.pad_token_id)
         ids = torch.full((1, 2), pad, dtype=torch.long, device=self.device)
-        lp = token_logprobs(self.policy, ids, torch.ones_like(ids), 1.0)
-        return lp.sum() * 0.0
+        loss = token_logprobs(self.policy, ids, torch.ones_like(ids), 1.0).sum() * 0.0
+        if not self.finite(loss):
+            return False
+        self.backward_loss(loss)
+        return True
 
     def _minibatches(self, per_traj: list[list[int]], batch: RolloutBatch | None = None) -> list[list[int]]:
         fixed = batch.extras.get("minibatch_groups") if batch is not None else None
@@ -479,11 +481,9 @@ class GRPOModule(L.LightningModule):
             s = c * mbs
             part = rows[s : s + mbs]
             if not part:  # this rank has fewer micro-batches than another: keep in step
-                dummy = self.dummy_loss()  # the same forward as a real micro-batch
-                if not self.finite(dummy):
+                if not self.keep_in_step():
                     finite = False
                     break
-                self.backward_loss(dummy)
                 continue
             tb = self.collate(part)
             # the LM head runs from the first response position of the micro-batch on

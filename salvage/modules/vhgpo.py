@@ -97,10 +97,8 @@ class VHGPOModule(GRPOModule):
             for c in range(lockstep(-(-len(items) // mbs))):
                 part = items[c * mbs : (c + 1) * mbs]
                 if not part:  # keep in step with ranks holding more items
-                    dummy = self.dummy_loss()  # the same forward as a real micro-batch
-                    if not self.finite(dummy):
+                    if not self.keep_in_step():
                         return nan
-                    self.backward_loss(dummy)
                     continue
                 loss = completion_loss(self._scores(self.policy, part)).sum() / denom
                 if not self.finite(loss):
@@ -117,10 +115,8 @@ class VHGPOModule(GRPOModule):
             for c in range(lockstep(-(-len(pairs) // step))):
                 part = pairs[c * step : (c + 1) * step]
                 if not part:
-                    dummy = self.dummy_loss()  # the same forward as a real micro-batch
-                    if not self.finite(dummy):
+                    if not self.keep_in_step():
                         return nan
-                    self.backward_loss(dummy)
                     continue
                 flat = [p[0] for p in part] + [p[1] for p in part]
                 with torch.no_grad():
