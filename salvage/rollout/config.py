@@ -82,6 +82,19 @@ def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, froz
     raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
 
 
+def call_settings(engine: Any, seed: int | None, temperature: float | None, top_p: float | None,
+                  max_new_tokens: int | None, stop: Any) -> tuple[int, float, float, int, tuple[str, ...]]:
+    """One ``generate`` call's settings: the call's overrides, else the engine's own; an unseeded
+    call takes the engine's call counter as its seed (and every call advances it)."""
+    if seed is None:
+        seed = engine._calls
+    engine._calls += 1
+    return (seed, engine.temperature if temperature is None else temperature,
+            engine.top_p if top_p is None else top_p,
+            engine.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            engine.stop if stop is None else tuple(stop))
+
+
 class RolloutEngineError(RuntimeError):
     """The rollout engine failed twice on the same request; the step cannot go on."""
 

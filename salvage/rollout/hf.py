@@ -18,6 +18,7 @@ import torch
 from salvage.distributed import check_gathered
 from salvage.lm import pad_left, response_logprobs
 from salvage.progress import stage
+from salvage.rollout.config import call_settings
 from salvage.types import Sample
 
 
@@ -84,13 +85,7 @@ class HFEngine:
         max_new_tokens: int | None = None,
         stop: Sequence[str] | None = None,
     ) -> list[list[Sample]]:
-        temperature = self.temperature if temperature is None else temperature
-        top_p = self.top_p if top_p is None else top_p
-        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        stop = self.stop if stop is None else tuple(stop)
-        if seed is None:
-            seed = self._calls
-        self._calls += 1
+        seed, temperature, top_p, max_new, stop = call_settings(self, seed, temperature, top_p, max_new_tokens, stop)
 
         t0 = time.perf_counter()
         flat = [list(p) for p in prompts for _ in range(n)]

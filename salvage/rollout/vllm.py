@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from salvage.lm import response_logprobs
+from salvage.rollout.config import call_settings
 from salvage.types import Sample
 
 log = logging.getLogger(__name__)
@@ -210,17 +211,13 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        temperature = self.temperature if temperature is None else temperature
-        seed = self._calls if seed is None else seed
-        self._calls += 1
-        stop = self.stop if stop is None else tuple(stop)
+        seed, temperature, top_p, max_new, stop = call_settings(self, seed, temperature, top_p, max_new_tokens, stop)
         if self._asleep or model_version(self.model) != self._synced:
             self.prepare()  # outside a phase (or a gathered policy): no collectives needed
         t0 = time.perf_counter()
         params = [
             SamplingParams(
-                n=n, temperature=temperature, top_p=self.top_p if top_p is None else top_p,
-                max_tokens=self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                n=n, temperature=temperature, top_p=top_p, max_tokens=max_new,
                 stop=list(stop) or None, include_stop_str_in_output=True, logprobs=0,
                 seed=(seed * 1_000_003 + i) % (2**31 - 1),
             )
