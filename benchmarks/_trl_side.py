@@ -61,7 +61,9 @@ def main() -> None:
 
     P, G, M, K = spec["prompts"], spec["n"], spec["micro_batch"], spec["minibatches"]
     per_gen = P * G
-    assert per_gen % K == 0 and (per_gen // K) % M == 0, "minibatch must be a whole number of micro-batches"
+    assert per_gen % K == 0 and (per_gen // K) % M == 0, (
+        "minibatch must be a whole number of micro-batches"
+    )
     ga = per_gen // K // M  # micro-batches per optimiser step (= one salvage minibatch)
     spg = per_gen // M  # micro-batches per generation batch
     with tempfile.TemporaryDirectory() as d:
@@ -102,8 +104,14 @@ def main() -> None:
             dataloader_num_workers=0,
             seed=0,
         )
-        rec: dict[str, list[float]] = {"rollout_s": [], "gen_tokens": [], "upd_tokens": [], "update_s": [],
-                                       "step_end": [], "resp_len": []}
+        rec: dict[str, list[float]] = {
+            "rollout_s": [],
+            "gen_tokens": [],
+            "upd_tokens": [],
+            "update_s": [],
+            "step_end": [],
+            "resp_len": [],
+        }
         state = {"gen_in_step": 0.0, "upd_acc": 0.0, "t_begin": 0.0}
 
         class Timer(TrainerCallback):
@@ -114,13 +122,21 @@ def main() -> None:
             def on_step_end(self, args, st, control, **kw):  # noqa: ANN001, ANN201
                 now = time.perf_counter()
                 state["upd_acc"] += now - state["t_begin"] - state["gen_in_step"]
-                if st.global_step % (spg // ga) == 0:  # last optimiser step of this generation batch
+                if (
+                    st.global_step % (spg // ga) == 0
+                ):  # last optimiser step of this generation batch
                     rec["update_s"].append(state["upd_acc"])
                     rec["step_end"].append(now)
                     state["upd_acc"] = 0.0
 
-        trainer = GRPOTrainer(model=model, reward_funcs=[math_reward], args=cfg, train_dataset=ds,
-                              processing_class=tok, callbacks=[Timer()])
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[math_reward],
+            args=cfg,
+            train_dataset=ds,
+            processing_class=tok,
+            callbacks=[Timer()],
+        )
         inner = trainer._generate_and_score_completions
 
         def timed(inputs):  # noqa: ANN001, ANN202

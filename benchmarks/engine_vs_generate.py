@@ -41,8 +41,17 @@ def plain(model, tok, prompts, n, new, seed) -> float:
     t0 = time.perf_counter()
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=True, temperature=1.0,
-                       top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
     return time.perf_counter() - t0
 
 
@@ -59,8 +68,13 @@ def main() -> None:
         model, tok = load_policy(PolicySpec(name))
         model.eval()
         prompts = prompts_for(tok, a.prompts)
-        eng = HFEngine(model, tok, max_new_tokens=a.new_tokens, batch_size=a.prompts * a.n,
-                       logprob_batch_size=a.prompts * a.n)
+        eng = HFEngine(
+            model,
+            tok,
+            max_new_tokens=a.new_tokens,
+            batch_size=a.prompts * a.n,
+            logprob_batch_size=a.prompts * a.n,
+        )
         plain(model, tok, prompts, a.n, a.new_tokens, 0)  # warm-up
         eng.generate(prompts, n=a.n, seed=0)
         p_t, e_s, e_l = [], [], []
@@ -71,9 +85,13 @@ def main() -> None:
             e_l.append(eng.last_timings["logprob_s"])
         med = statistics.median
         rows.append((name, med(p_t), med(e_s), med(e_l)))
-    print(f"\nHF engine vs plain generate: {a.prompts} prompts x {a.n} samples x {a.new_tokens} new tokens, "
-          f"median of {a.repeats}")
-    print("| model | plain generate (s) | engine sampling (s) | sampling / plain | + log-prob pass (s) | total / plain |")
+    print(
+        f"\nHF engine vs plain generate: {a.prompts} prompts x {a.n} samples x {a.new_tokens} new tokens, "
+        f"median of {a.repeats}"
+    )
+    print(
+        "| model | plain generate (s) | engine sampling (s) | sampling / plain | + log-prob pass (s) | total / plain |"
+    )
     print("|---|---|---|---|---|---|")
     for name, p, s, lp in rows:
         print(f"| {name} | {p:.2f} | {s:.2f} | {s / p:.3f} | {lp:.2f} | {(s + lp) / p:.3f} |")

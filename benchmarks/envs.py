@@ -38,8 +38,15 @@ def steps_per_s(workers: int, episodes: int, steps: int) -> float:
         for _ in range(steps):
             if not live:
                 break
-            items = [(i, rng.choice([a for a in infos[i]["admissible"] if "eat" not in a] or ["look around"]))
-                     for i in sorted(live)]
+            items = [
+                (
+                    i,
+                    rng.choice(
+                        [a for a in infos[i]["admissible"] if "eat" not in a] or ["look around"]
+                    ),
+                )
+                for i in sorted(live)
+            ]
             for (i, _), r in zip(items, pool.step(items), strict=True):
                 n += 1
                 if not r.ok or r.value.done:
@@ -49,13 +56,17 @@ def steps_per_s(workers: int, episodes: int, steps: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def restore_cost(env_name: str, task: dict, depths: list[int], repeats: int = 3, **kw) -> dict[int, float]:
+def restore_cost(
+    env_name: str, task: dict, depths: list[int], repeats: int = 3, **kw
+) -> dict[int, float]:
     env = make_env(env_name, **kw)
     rng = random.Random(1)
     _, info = env.reset(task, 0)
     snaps = {0: env.snapshot()}
     while env.depth < max(depths):
-        safe = [a for a in info["admissible"] if a.startswith(("look", "inventory", "examine", "go to"))]
+        safe = [
+            a for a in info["admissible"] if a.startswith(("look", "inventory", "examine", "go to"))
+        ]
         res = env.step(rng.choice(safe or info["admissible"]))
         info = res.info
         snaps[env.depth] = env.snapshot()
@@ -81,7 +92,9 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args()
-    print(f"\nEnvPool throughput, TextWorld-Express cookingworld, {a.episodes} episodes in lockstep")
+    print(
+        f"\nEnvPool throughput, TextWorld-Express cookingworld, {a.episodes} episodes in lockstep"
+    )
     print("| workers | env steps/s | vs in-process |")
     print("|---|---|---|")
     base = None
@@ -103,7 +116,9 @@ def main() -> None:
 
             task = ALFWorldEnv.list_tasks("val", data_path=str(ALF))[0]
             r = restore_cost("alfworld", task, [10, 40], repeats=1, max_steps=1000)
-            print(f"| alfworld (sample game) | {r[10]:.3f} | {r[40]:.3f} | {1000 * (r[40] - r[10]) / 30:.2f} |")
+            print(
+                f"| alfworld (sample game) | {r[10]:.3f} | {r[40]:.3f} | {1000 * (r[40] - r[10]) / 30:.2f} |"
+            )
     except ImportError:
         print("| alfworld | (extra not installed) | | |")
 

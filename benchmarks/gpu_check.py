@@ -26,16 +26,44 @@ import lightning as L
 import torch
 
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
 }
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+    "4090": 165.0,
+}
 
 
-SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=512, tie_word_embeddings=True)
+SMOKE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    tie_word_embeddings=True,
+)
 DEVICE = "cuda"
 
 
@@ -64,8 +92,13 @@ def make_model_dir(shape: str, root: Path) -> tuple[Path, int]:
 
     out = root / shape
     tok = build_tiny_tokenizer(512)
-    cfg = Qwen2Config(**(SMOKE if DEVICE == "cpu" else SHAPES[shape]), max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = Qwen2Config(
+        **(SMOKE if DEVICE == "cpu" else SHAPES[shape]),
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
@@ -89,8 +122,14 @@ def fixed_batch(tok_vocab: int, rows: int, seq: int, rank: int, relays: bool):
         for j in range(4):
             ids = torch.randint(10, tok_vocab, (seq,), generator=g).tolist()
             lp = (-torch.rand(seq - prompt_len, generator=g) * 3).tolist()
-            trajs.append(Trajectory(turns=[Turn(ids[:prompt_len], ids[prompt_len:], lp)], reward=float(j % 2),
-                                    success=bool(j % 2), advantage=1.0 if j % 2 else -1.0))
+            trajs.append(
+                Trajectory(
+                    turns=[Turn(ids[:prompt_len], ids[prompt_len:], lp)],
+                    reward=float(j % 2),
+                    success=bool(j % 2),
+                    advantage=1.0 if j % 2 else -1.0,
+                )
+            )
         groups.append(Group(task_id=f"q{q}", trajectories=trajs))
     batch = RolloutBatch(groups=groups)
     if relays:
@@ -112,7 +151,9 @@ class FixedData(L.LightningDataModule):
 
         batch = fixed_batch(512, self.rows, self.seq, world()[0], self.relays)
         if self.trainer.lightning_module.__class__.__name__ == "GRAFTModule":
-            batch.extras.update(a=batch, b=fixed_batch(512, self.rows, self.seq, world()[0] + 100, False))
+            batch.extras.update(
+                a=batch, b=fixed_batch(512, self.rows, self.seq, world()[0] + 100, False)
+            )
         return batch
 
 
@@ -125,8 +166,11 @@ class Timer(L.Callback):
         sync()
         self.t0 = time.perf_counter()
         parts = [batch.extras["a"], batch.extras["b"]] if "a" in batch.extras else [batch]
-        self.tokens = sum(len(t.turns[0].prompt_ids) + len(t.turns[0].response_ids)
-                          for b in parts for t in b.trajectories)
+        self.tokens = sum(
+            len(t.turns[0].prompt_ids) + len(t.turns[0].response_ids)
+            for b in parts
+            for t in b.trajectories
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         sync()
@@ -138,8 +182,11 @@ def run_update(kind: str, model_dir: Path, n_params: int, args) -> dict:
     from salvage.models import PolicySpec
     from salvage.strategies import FSDP2Strategy
 
-    fsdp = FSDPConfig(param_dtype="bfloat16", reduce_dtype="float32",
-                      activation_checkpointing=args.activation_checkpointing)
+    fsdp = FSDPConfig(
+        param_dtype="bfloat16",
+        reduce_dtype="float32",
+        activation_checkpointing=args.activation_checkpointing,
+    )
     spec = PolicySpec(str(model_dir), dtype="float32")
     common = dict(lr=1e-6, micro_batch_size=args.micro_batch, num_minibatches=1, fsdp=fsdp)
     if kind == "vhgpo":
@@ -152,17 +199,34 @@ def run_update(kind: str, model_dir: Path, n_params: int, args) -> dict:
         module = GRAFTModule(policy_a=spec, policy_b=spec, **common)
     timer = Timer()
     devices = torch.cuda.device_count() if DEVICE == "cuda" else 1
-    trainer = L.Trainer(accelerator="gpu" if DEVICE == "cuda" else "cpu", devices=devices, strategy=FSDP2Strategy(),
-                        precision="32-true", max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        callbacks=[timer], default_root_dir=tempfile.mkdtemp())
+    trainer = L.Trainer(
+        accelerator="gpu" if DEVICE == "cuda" else "cpu",
+        devices=devices,
+        strategy=FSDP2Strategy(),
+        precision="32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[timer],
+        default_root_dir=tempfile.mkdtemp(),
+    )
     trainer.fit(module, datamodule=FixedData(args.rows, args.seq, kind == "vhgpo", args.steps))
     t = sorted(timer.times[1:] or timer.times)[len(timer.times[1:] or timer.times) // 2]
     world = trainer.world_size
     tok_s = timer.tokens * world / t
-    mfu = 6 * n_params * tok_s / (peak_tflops(args.peak_tflops) * 1e12 * world)  # GRAFT: tokens of both models
-    return {"check": f"{kind} update (FSDP2 bf16, {world} {DEVICE.upper()})", "tokens/s": tok_s, "step_s": t, "MFU": mfu,
-            "rank": trainer.global_rank}
+    mfu = (
+        6 * n_params * tok_s / (peak_tflops(args.peak_tflops) * 1e12 * world)
+    )  # GRAFT: tokens of both models
+    return {
+        "check": f"{kind} update (FSDP2 bf16, {world} {DEVICE.upper()})",
+        "tokens/s": tok_s,
+        "step_s": t,
+        "MFU": mfu,
+        "rank": trainer.global_rank,
+    }
 
 
 def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
@@ -176,8 +240,16 @@ def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
     rows = []
     backends = ["hf"] + (["vllm"] if vllm_available()[0] else [])
     for backend in backends:
-        eng = build_engine(EngineConfig(backend=backend, max_new_tokens=args.gen_tokens, temperature=1.0,
-                                        batch_size=args.rows), model, tok)
+        eng = build_engine(
+            EngineConfig(
+                backend=backend,
+                max_new_tokens=args.gen_tokens,
+                temperature=1.0,
+                batch_size=args.rows,
+            ),
+            model,
+            tok,
+        )
         if hasattr(eng, "prepare"):
             eng.prepare()
         eng.generate(prompts[:1], n=1)  # warm-up
@@ -187,18 +259,32 @@ def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
         sync()
         dt = time.perf_counter() - t0
         n_tok = sum(len(s.response_ids) for g in out for s in g)
-        rows.append({"check": f"generation ({backend})", "tokens/s": n_tok / dt, "step_s": dt,
-                     "MFU": 2 * n_params * n_tok / dt / (peak_tflops(args.peak_tflops) * 1e12)})
+        rows.append(
+            {
+                "check": f"generation ({backend})",
+                "tokens/s": n_tok / dt,
+                "step_s": dt,
+                "MFU": 2 * n_params * n_tok / dt / (peak_tflops(args.peak_tflops) * 1e12),
+            }
+        )
         if hasattr(eng, "release"):
             eng.release()
     if not vllm_available()[0]:
-        rows.append({"check": f"generation (vllm): skipped, {vllm_available()[1]}", "tokens/s": float("nan"),
-                     "step_s": float("nan"), "MFU": float("nan")})
+        rows.append(
+            {
+                "check": f"generation (vllm): skipped, {vllm_available()[1]}",
+                "tokens/s": float("nan"),
+                "step_s": float("nan"),
+                "MFU": float("nan"),
+            }
+        )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--seq", type=int, default=1024)
@@ -206,8 +292,13 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=None)
-    ap.add_argument("--smoke-cpu", action="store_true", help="tiny shapes on CPU: checks the script, not a GPU")
-    ap.add_argument("--out", default=os.environ.get("GPU_CHECK_DIR", tempfile.mkdtemp(prefix="salvage-gpu-check-")))
+    ap.add_argument(
+        "--smoke-cpu", action="store_true", help="tiny shapes on CPU: checks the script, not a GPU"
+    )
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("GPU_CHECK_DIR", tempfile.mkdtemp(prefix="salvage-gpu-check-")),
+    )
     args = ap.parse_args()
     global DEVICE
     DEVICE = "cpu" if args.smoke_cpu else "cuda"
@@ -223,14 +314,19 @@ def main() -> None:
         time.sleep(1)
     info = json.loads(marker.read_text())
     small, large = info["qwen2.5-0.5b"], info["qwen2.5-1.5b"]
-    rows = [run_update("vhgpo", Path(large[0]), large[1], args), run_update("graft", Path(small[0]), small[1], args)]
+    rows = [
+        run_update("vhgpo", Path(large[0]), large[1], args),
+        run_update("graft", Path(small[0]), small[1], args),
+    ]
     if rows[0].get("rank", 0) == 0:
         rows += run_generation(Path(small[0]), small[1], args)
         where = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU smoke run"
         print(f"\n| check | tokens/s | step (s) | MFU |   ({where})")
         print("|---|---|---|---|")
         for r in rows:
-            print(f"| {r['check']} | {r['tokens/s']:,.0f} | {r['step_s']:.2f} | {100 * r['MFU']:.1f}% |")
+            print(
+                f"| {r['check']} | {r['tokens/s']:,.0f} | {r['step_s']:.2f} | {100 * r['MFU']:.1f}% |"
+            )
 
 
 if __name__ == "__main__":

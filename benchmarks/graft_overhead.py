@@ -59,7 +59,9 @@ class ForcedExchange(GraftDataModule):
     def train_rollout(self, tasks):  # noqa: ANN001, ANN201
         batch = super().train_rollout(tasks)
         n = self.group_size
-        for q, (ga, gb) in enumerate(zip(batch.extras["a"].groups, batch.extras["b"].groups, strict=True)):
+        for q, (ga, gb) in enumerate(
+            zip(batch.extras["a"].groups, batch.extras["b"].groups, strict=True)
+        ):
             src, dst = (ga, gb) if q % 2 == 0 else (gb, ga)
             for g, ok in ((src, [i == q % n for i in range(n)]), (dst, [False] * n)):
                 for t, s in zip(g.trajectories, ok, strict=True):
@@ -100,8 +102,9 @@ def measure(pair: str, steps: int) -> dict[str, float]:
     if pair == "smollm2":
         spec_a = PolicySpec("smollm2-135m-instruct")
     module = GRAFTModule(policy_a=spec_a, policy_b=spec_b, **m_args)
-    data = ForcedExchange(train=MathData(**d_args.pop("train")), engine=EngineConfig(**d_args.pop("engine")),
-                          **d_args)
+    data = ForcedExchange(
+        train=MathData(**d_args.pop("train")), engine=EngineConfig(**d_args.pop("engine")), **d_args
+    )
     tm = Timers()
     orig_select, orig_lp = graft_mod.select_transfers, graft_mod.response_logprobs
 
@@ -125,9 +128,18 @@ def measure(pair: str, steps: int) -> dict[str, float]:
 
     try:
         with tempfile.TemporaryDirectory() as d:
-            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                num_sanity_val_steps=0, callbacks=[StepEnd()], default_root_dir=d)
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=1,
+                max_steps=steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                callbacks=[StepEnd()],
+                default_root_dir=d,
+            )
             trainer.fit(module, datamodule=data)
     finally:
         graft_mod.select_transfers, graft_mod.response_logprobs = orig_select, orig_lp
@@ -136,30 +148,46 @@ def measure(pair: str, steps: int) -> dict[str, float]:
     med = statistics.median
     get = lambda k: med(r.get(k, 0.0) for r in rows)  # noqa: E731
     frac = med(r.get("exchange", 0.0) / s for r, s in zip(rows, step_s, strict=True))
-    return {"a_to_b": get("a_to_b"), "b_to_a": get("b_to_a"), "peer_responses": get("peer_responses"),
-            "step_s": med(step_s), "rollout_s": get("rollout"), "update_s": get("update"),
-            "exchange_s": get("exchange"), "likelihood_s": get("likelihood"), "frac": frac,
-            "sum_frac": sum(r.get("exchange", 0.0) for r in rows) / sum(step_s)}
+    return {
+        "a_to_b": get("a_to_b"),
+        "b_to_a": get("b_to_a"),
+        "peer_responses": get("peer_responses"),
+        "step_s": med(step_s),
+        "rollout_s": get("rollout"),
+        "update_s": get("update"),
+        "exchange_s": get("exchange"),
+        "likelihood_s": get("likelihood"),
+        "frac": frac,
+        "sum_frac": sum(r.get("exchange", 0.0) for r in rows) / sum(step_s),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=4, help="updates per pair; the first is warm-up")
     ap.add_argument("--pairs", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     a = ap.parse_args()
     names = {"tiny": "tiny (768) + tiny (384)", "smollm2": "SmolLM2-135M + tiny (384)"}
     results = {p: measure(p, a.steps) for p in a.pairs}
     cfg = yaml.safe_load(CONFIG.read_text())["data"]["init_args"]
-    print(f"\nGRAFT exchange overhead, configs/graft/math_tiny.yaml ({cfg['prompts_per_step']} prompts x "
-          f"{cfg['group_size']} samples x <= {cfg['engine']['max_new_tokens']} new tokens), exchange forced on "
-          f"every step, median of updates 2..{a.steps}")
-    print("| pair | groups A->B / B->A | peer responses scored | step (s) | rollout (s) | update (s) | "
-          "exchange (s) | of which likelihood pass (s) | exchange / step |")
+    print(
+        f"\nGRAFT exchange overhead, configs/graft/math_tiny.yaml ({cfg['prompts_per_step']} prompts x "
+        f"{cfg['group_size']} samples x <= {cfg['engine']['max_new_tokens']} new tokens), exchange forced on "
+        f"every step, median of updates 2..{a.steps}"
+    )
+    print(
+        "| pair | groups A->B / B->A | peer responses scored | step (s) | rollout (s) | update (s) | "
+        "exchange (s) | of which likelihood pass (s) | exchange / step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for p, r in results.items():
-        print(f"| {names[p]} | {r['a_to_b']:.0f} / {r['b_to_a']:.0f} | {r['peer_responses']:.0f} | {r['step_s']:.2f} | "
-              f"{r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['exchange_s']:.3f} | {r['likelihood_s']:.3f} | "
-              f"{100 * r['frac']:.1f}% |")
+        print(
+            f"| {names[p]} | {r['a_to_b']:.0f} / {r['b_to_a']:.0f} | {r['peer_responses']:.0f} | {r['step_s']:.2f} | "
+            f"{r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['exchange_s']:.3f} | {r['likelihood_s']:.3f} | "
+            f"{100 * r['frac']:.1f}% |"
+        )
 
 
 if __name__ == "__main__":

@@ -38,12 +38,16 @@ def sft_model_a(out: Path, steps: int, seed: int) -> float:
 
     spec = PolicySpec("tiny", vocab_size=768, seed=0)
     model, tok = load_policy(spec)
-    tasks, _ = load_math_tasks(MathData(source="reasoning_gym:basic_arithmetic", size=200, seed=0, rg_kwargs=RG))
+    tasks, _ = load_math_tasks(
+        MathData(source="reasoning_gym:basic_arithmetic", size=200, seed=0, rg_kwargs=RG)
+    )
     pairs = []
     for t in tasks:
         text = tok.apply_chat_template(t.messages, tokenize=False, add_generation_prompt=True)
         p = list(tok(text, add_special_tokens=False)["input_ids"])
-        r = list(tok(f"\\boxed{{{t.answer}}}", add_special_tokens=False)["input_ids"]) + [int(tok.eos_token_id)]
+        r = list(tok(f"\\boxed{{{t.answer}}}", add_special_tokens=False)["input_ids"]) + [
+            int(tok.eos_token_id)
+        ]
         pairs.append((p, r))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
@@ -65,7 +69,9 @@ def sft_model_a(out: Path, steps: int, seed: int) -> float:
     eng = HFEngine(model, tok, temperature=0.0, max_new_tokens=12)
     outs = eng.generate([p for p, _ in pairs], n=1)
     reward = MathVerifyReward()
-    acc = sum(reward(o[0].text, t.answer).success for o, t in zip(outs, tasks, strict=True)) / len(tasks)
+    acc = sum(reward(o[0].text, t.answer).success for o, t in zip(outs, tasks, strict=True)) / len(
+        tasks
+    )
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return acc
@@ -84,22 +90,48 @@ def main() -> None:
     acc = sft_model_a(a_dir, args.sft_steps, 0)
     print(f"model A after SFT: greedy accuracy {acc:.3f} on the 200 train prompts")
     run = out / "run"
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/graft/math_tiny.yaml"),
-           "--model.init_args.policy_a", f"{{name_or_path: {a_dir}}}",
-           "--data.init_args.train", "{source: 'reasoning_gym:basic_arithmetic', size: 200, seed: 0, "
-           "rg_kwargs: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}",
-           "--data.init_args.engine.max_new_tokens", "12", "--model.init_args.gate", str(not args.no_gate).lower(), "--trainer.max_steps", str(args.graft_steps),
-           "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs/graft/math_tiny.yaml"),
+        "--model.init_args.policy_a",
+        f"{{name_or_path: {a_dir}}}",
+        "--data.init_args.train",
+        "{source: 'reasoning_gym:basic_arithmetic', size: 200, seed: 0, "
+        "rg_kwargs: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}",
+        "--data.init_args.engine.max_new_tokens",
+        "12",
+        "--model.init_args.gate",
+        str(not args.no_gate).lower(),
+        "--trainer.max_steps",
+        str(args.graft_steps),
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", SALVAGE_PROGRESS="0")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
-    keys = ["graft/transferred_a_to_b", "graft/transferred_b_to_a", "graft/complementary_a_to_b",
-            "graft/admitted_frac", "graft/weight_mean", "a/rollout/success_rate", "b/rollout/success_rate",
-            "b/loss/peer_clip_frac"]
-    print("\n| step | A->B | B->A | complementary A->B | admitted | weight mean | A success | B success |"
-          " B peer clip |")
+    keys = [
+        "graft/transferred_a_to_b",
+        "graft/transferred_b_to_a",
+        "graft/complementary_a_to_b",
+        "graft/admitted_frac",
+        "graft/weight_mean",
+        "a/rollout/success_rate",
+        "b/rollout/success_rate",
+        "b/loss/peer_clip_frac",
+    ]
+    print(
+        "\n| step | A->B | B->A | complementary A->B | admitted | weight mean | A success | B success |"
+        " B peer clip |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         vals = [r.get(k, "") for k in keys]

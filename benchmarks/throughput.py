@@ -42,15 +42,25 @@ def measure(model: str, steps: int, prompts: int, n: int, new_tokens: int) -> di
     module = GRPOModule(policy=PolicySpec(model), lr=1e-6, num_minibatches=2, micro_batch_size=8)
     data = RLVRDataModule(
         train=MathData(source="reasoning_gym:basic_arithmetic", size=200),
-        prompts_per_step=prompts, group_size=n, max_prompt_tokens=256,
+        prompts_per_step=prompts,
+        group_size=n,
+        max_prompt_tokens=256,
         engine=EngineConfig(max_new_tokens=new_tokens),
     )
     grab = _Grab()
     with tempfile.TemporaryDirectory() as d:
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, num_sanity_val_steps=0,
-                            callbacks=[CostTracker(), grab], default_root_dir=d)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[CostTracker(), grab],
+            default_root_dir=d,
+        )
         t0 = time.perf_counter()
         trainer.fit(module, datamodule=data)
         wall = time.perf_counter() - t0
@@ -75,8 +85,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     a = ap.parse_args()
     results = {m: measure(m, a.steps, a.prompts, a.n, a.new_tokens) for m in a.models}
-    print(f"\nGRPO throughput, {a.prompts} prompts x {a.n} samples x <= {a.new_tokens} new tokens, "
-          f"median of updates 2..{a.steps}, threads={os.environ.get('OMP_NUM_THREADS', 'default')}")
+    print(
+        f"\nGRPO throughput, {a.prompts} prompts x {a.n} samples x <= {a.new_tokens} new tokens, "
+        f"median of updates 2..{a.steps}, threads={os.environ.get('OMP_NUM_THREADS', 'default')}"
+    )
     cols = ["params_M", "rollout_tok_s", "update_tok_s", "step_s", "resp_len", "wall_s"]
     print("| model | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))

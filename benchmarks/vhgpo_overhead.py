@@ -27,9 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(steps: int, extra: list[str], root: Path) -> list[dict[str, str]]:
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/vhgpo/twx_tiny.yaml"), *extra,
-           "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar",
-           "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs/vhgpo/twx_tiny.yaml"),
+        *extra,
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", SALVAGE_PROGRESS="0")
     subprocess.run(cmd, check=True, env=env, capture_output=True)
     return list(csv.DictReader(next(root.glob("version_0/metrics.csv")).open()))
@@ -38,27 +50,49 @@ def run(steps: int, extra: list[str], root: Path) -> list[dict[str, str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--source-rate", action="store_true", help="16 tasks x 8 rollouts, <= 2 rescued groups per update")
+    ap.add_argument(
+        "--source-rate",
+        action="store_true",
+        help="16 tasks x 8 rollouts, <= 2 rescued groups per update",
+    )
     a = ap.parse_args()
-    shape = ["--data.init_args.tasks_per_step", "16", "--data.init_args.group_size", "8"] if a.source_rate else []
+    shape = (
+        ["--data.init_args.tasks_per_step", "16", "--data.init_args.group_size", "8"]
+        if a.source_rate
+        else []
+    )
     with tempfile.TemporaryDirectory() as d:
         vh = run(a.steps, shape, Path(d) / "vhgpo")
-        base = run(a.steps, ["--config", str(ROOT / "configs/vhgpo/ablations/grpo_baseline.yaml"), *shape],
-                   Path(d) / "grpo")
+        base = run(
+            a.steps,
+            ["--config", str(ROOT / "configs/vhgpo/ablations/grpo_baseline.yaml"), *shape],
+            Path(d) / "grpo",
+        )
     step = lambda rows: sum(float(r["perf/step_s"]) for r in rows)  # noqa: E731
     last = vh[-1]
-    where = "16 tasks x 8 rollouts, <= 2 rescued groups" if a.source_rate else "8 tasks x 4 rollouts"
+    where = (
+        "16 tasks x 8 rollouts, <= 2 rescued groups" if a.source_rate else "8 tasks x 4 rollouts"
+    )
     print(f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml ({where}), {a.steps} updates")
     print("| metric | value |")
     print("|---|---|")
-    print(f"| zero-signal groups / selected / retained | {last['relay/zero_signal_groups_cum']} / "
-          f"{last['relay/selected_cum']} / {last['relay/retained_cum']} |")
-    print(f"| extra output tokens / root output tokens | {100 * float(last['cost/extra_token_ratio']):.2f}% |")
+    print(
+        f"| zero-signal groups / selected / retained | {last['relay/zero_signal_groups_cum']} / "
+        f"{last['relay/selected_cum']} / {last['relay/retained_cum']} |"
+    )
+    print(
+        f"| extra output tokens / root output tokens | {100 * float(last['cost/extra_token_ratio']):.2f}% |"
+    )
     print(f"| summed step time VH-GPO / GRPO | {step(vh) / step(base):.2f}x |")
-    parts = {k: float(last.get(f"cost/extra_tokens_{k}") or 0.0) for k in ("teacher", "search", "confirm", "student")}
+    parts = {
+        k: float(last.get(f"cost/extra_tokens_{k}") or 0.0)
+        for k in ("teacher", "search", "confirm", "student")
+    }
     total, ratio = sum(parts.values()), float(last["cost/extra_token_ratio"])
     for k, v in parts.items():  # each part's share of the root tokens
-        print(f"| of which {k} / root output tokens | {100 * ratio * v / total if total else 0.0:.2f}% |")
+        print(
+            f"| of which {k} / root output tokens | {100 * ratio * v / total if total else 0.0:.2f}% |"
+        )
 
 
 if __name__ == "__main__":

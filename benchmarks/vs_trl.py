@@ -55,7 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = {  # P prompts x G samples x L new tokens, K minibatches, micro-batch M, RL steps (first is warm-up)
     "tiny": dict(prompts=4, n=4, new_tokens=64, minibatches=2, micro_batch=8, steps=5),
-    "smollm2-135m-instruct": dict(prompts=2, n=4, new_tokens=32, minibatches=2, micro_batch=4, steps=6),
+    "smollm2-135m-instruct": dict(
+        prompts=2, n=4, new_tokens=32, minibatches=2, micro_batch=4, steps=6
+    ),
 }
 
 
@@ -75,14 +77,38 @@ def salvage_side(spec: dict, out_path: str) -> None:
     from salvage.tasks.math import MathData
 
     P, G, M = spec["prompts"], spec["n"], spec["micro_batch"]
-    module = GRPOModule(policy=PolicySpec(spec["model_dir"]), lr=spec["lr"], num_minibatches=spec["minibatches"],
-                        micro_batch_size=M, kl_coef=0.0, clip_eps_low=0.2, clip_eps_high=0.28,
-                        loss_agg="token-mean", max_grad_norm=1.0)
-    data = RLVRDataModule(train=MathData(source=spec["jsonl"]), prompts_per_step=P, group_size=G,
-                          engine=EngineConfig(temperature=1.0, top_p=1.0, max_new_tokens=spec["new_tokens"],
-                                              batch_size=P * G, logprob_batch_size=M), seed=0)
-    rec: dict[str, list[float]] = {"rollout_s": [], "gen_tokens": [], "upd_tokens": [], "update_s": [],
-                                   "step_end": [], "resp_len": []}
+    module = GRPOModule(
+        policy=PolicySpec(spec["model_dir"]),
+        lr=spec["lr"],
+        num_minibatches=spec["minibatches"],
+        micro_batch_size=M,
+        kl_coef=0.0,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        loss_agg="token-mean",
+        max_grad_norm=1.0,
+    )
+    data = RLVRDataModule(
+        train=MathData(source=spec["jsonl"]),
+        prompts_per_step=P,
+        group_size=G,
+        engine=EngineConfig(
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=spec["new_tokens"],
+            batch_size=P * G,
+            logprob_batch_size=M,
+        ),
+        seed=0,
+    )
+    rec: dict[str, list[float]] = {
+        "rollout_s": [],
+        "gen_tokens": [],
+        "upd_tokens": [],
+        "update_s": [],
+        "step_end": [],
+        "resp_len": [],
+    }
 
     inner_rollout = data.train_rollout
 
@@ -92,8 +118,16 @@ def salvage_side(spec: dict, out_path: str) -> None:
         rec["rollout_s"].append(time.perf_counter() - t0)
         trajs = batch.trajectories
         rec["gen_tokens"].append(float(sum(t.num_response_tokens for t in trajs)))
-        rec["upd_tokens"].append(float(sum(len(u.prompt_ids) + len(u.response_ids)
-                                           for t in trajs for u in t.turns if u.train and u.response_ids)))
+        rec["upd_tokens"].append(
+            float(
+                sum(
+                    len(u.prompt_ids) + len(u.response_ids)
+                    for t in trajs
+                    for u in t.turns
+                    if u.train and u.response_ids
+                )
+            )
+        )
         rec["resp_len"].append(rec["gen_tokens"][-1] / max(len(trajs), 1))
         return batch
 
@@ -113,9 +147,18 @@ def salvage_side(spec: dict, out_path: str) -> None:
             rec["step_end"].append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as d:
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=spec["steps"], logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, callbacks=[StepEnd()], default_root_dir=d)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=spec["steps"],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[StepEnd()],
+            default_root_dir=d,
+        )
         t0 = time.perf_counter()
         trainer.fit(module, datamodule=data)
         rec["wall_s"] = [time.perf_counter() - t0]
@@ -146,9 +189,18 @@ def prepare(model: str, work: Path, steps: int, prompts: int) -> tuple[str, Path
     jsonl = work / "tasks.jsonl"
     with jsonl.open("w") as f:
         for t in tasks:
-            f.write(json.dumps({"id": t.id, "problem": t.messages[-1]["content"], "answer": t.answer}) + "\n")
-    order = StepBatches(len(tasks), prompts, 0, SimpleNamespace(world_size=1, global_rank=0, global_step=0))
-    rows = [{"messages": tasks[i].messages, "answer": tasks[i].answer} for k in range(steps) for i in order.batch(k)]
+            f.write(
+                json.dumps({"id": t.id, "problem": t.messages[-1]["content"], "answer": t.answer})
+                + "\n"
+            )
+    order = StepBatches(
+        len(tasks), prompts, 0, SimpleNamespace(world_size=1, global_rank=0, global_step=0)
+    )
+    rows = [
+        {"messages": tasks[i].messages, "answer": tasks[i].answer}
+        for k in range(steps)
+        for i in order.batch(k)
+    ]
     trl_tasks = work / f"trl_tasks_{prompts}_{steps}.json"
     trl_tasks.write_text(json.dumps(rows))
     return str(mdir), jsonl, trl_tasks
@@ -158,9 +210,19 @@ def run_side(side: str, spec: dict, work: Path, trl_python: str, tag: str) -> di
     spec_path, out = work / f"spec_{tag}.json", work / f"out_{tag}.json"
     spec_path.write_text(json.dumps(spec))
     th = str(spec["threads"])
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=th, MKL_NUM_THREADS=th,
-               TOKENIZERS_PARALLELISM="false", SALVAGE_PROGRESS="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled", PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ,
+        OMP_WAIT_POLICY="PASSIVE",
+        OMP_NUM_THREADS=th,
+        MKL_NUM_THREADS=th,
+        TOKENIZERS_PARALLELISM="false",
+        SALVAGE_PROGRESS="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONWARNINGS="ignore",
+    )
     if side == "salvage":
         cmd = [sys.executable, __file__, "--side", "salvage", str(spec_path), str(out)]
     else:
@@ -186,12 +248,21 @@ def summarise(runs: list[dict]) -> dict[str, float]:
         ends = r["step_end"]
         step += [b - a for a, b in zip(ends, ends[1:], strict=False)]
     med = statistics.median
-    return {"rollout_tok_s": med(roll), "update_tok_s": med(upd), "step_s": med(step), "resp_len": med(resp),
-            "params_M": runs[0]["params_M"][0], "n": len(upd), "proc_s": sum(r["proc_s"] for r in runs)}
+    return {
+        "rollout_tok_s": med(roll),
+        "update_tok_s": med(upd),
+        "step_s": med(step),
+        "resp_len": med(resp),
+        "params_M": runs[0]["params_M"][0],
+        "n": len(upd),
+        "proc_s": sum(r["proc_s"] for r in runs),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="+", default=list(SETTINGS))
@@ -200,17 +271,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--raw", help="also write every run's per-step records to this JSON file")
-    ap.add_argument("--trl-optim", default="adamw_torch_fused",
-                    help="TRL's optim (its default on torch >= 2.8: adamw_torch_fused; adamw_torch = the for-loop kernel)")
+    ap.add_argument(
+        "--trl-optim",
+        default="adamw_torch_fused",
+        help="TRL's optim (its default on torch >= 2.8: adamw_torch_fused; adamw_torch = the for-loop kernel)",
+    )
     a = ap.parse_args()
     if a.side == "salvage":
         spec_path, out = a.args
         return salvage_side(json.loads(Path(spec_path).read_text()), out)
     if not Path(a.trl_python).exists():
         sys.exit(f"no TRL interpreter at {a.trl_python} (see the docstring for the venv)")
-    trl_version = subprocess.run([a.trl_python, "-c", "import trl, transformers, torch; "
-                                  "print(trl.__version__, transformers.__version__, torch.__version__)"],
-                                 capture_output=True, text=True, check=True).stdout.split()
+    trl_version = subprocess.run(
+        [
+            a.trl_python,
+            "-c",
+            "import trl, transformers, torch; "
+            "print(trl.__version__, transformers.__version__, torch.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     results: dict[str, dict[str, dict[str, float]]] = {}
     raw: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as d:
@@ -218,35 +300,59 @@ def main() -> None:
         for model in a.models:
             s = dict(SETTINGS.get(model, SETTINGS["smollm2-135m-instruct"]))
             mdir, jsonl, trl_tasks = prepare(model, work, s["steps"], s["prompts"])
-            spec = dict(s, model_dir=mdir, jsonl=str(jsonl), tasks=str(trl_tasks), lr=a.lr, threads=a.threads,
-                        trl_optim=a.trl_optim)
+            spec = dict(
+                s,
+                model_dir=mdir,
+                jsonl=str(jsonl),
+                tasks=str(trl_tasks),
+                lr=a.lr,
+                threads=a.threads,
+                trl_optim=a.trl_optim,
+            )
             runs: dict[str, list[dict]] = {"salvage": [], "trl": []}
             for r in range(a.rounds):
                 order = ("salvage", "trl") if r % 2 == 0 else ("trl", "salvage")
                 for side in order:
                     runs[side].append(run_side(side, spec, work, a.trl_python, f"{side}_{r}"))
-                    print(f"  {model} round {r + 1} {side}: {runs[side][-1]['proc_s']:.0f} s", file=sys.stderr)
+                    print(
+                        f"  {model} round {r + 1} {side}: {runs[side][-1]['proc_s']:.0f} s",
+                        file=sys.stderr,
+                    )
             results[model] = {side: summarise(v) for side, v in runs.items()}
             raw[model] = runs
     if a.raw:
         Path(a.raw).write_text(json.dumps(raw, indent=1))
-    print(f"\nsalvage GRPO vs TRL {trl_version[0]} GRPOTrainer (transformers {trl_version[1]}, torch {trl_version[2]}), "
-          f"CPU fp32, {a.threads} threads, {a.rounds} alternating rounds, median over RL steps 2.. of each run; "
-          f"optimiser: salvage adamw (fused), TRL {a.trl_optim}")
+    print(
+        f"\nsalvage GRPO vs TRL {trl_version[0]} GRPOTrainer (transformers {trl_version[1]}, torch {trl_version[2]}), "
+        f"CPU fp32, {a.threads} threads, {a.rounds} alternating rounds, median over RL steps 2.. of each run; "
+        f"optimiser: salvage adamw (fused), TRL {a.trl_optim}"
+    )
     for model in a.models:
         s = SETTINGS.get(model, SETTINGS["smollm2-135m-instruct"])
-        print(f"- {model}: {s['prompts']} prompts x {s['n']} samples x <= {s['new_tokens']} new tokens, "
-              f"{s['minibatches']} optimiser steps of {s['prompts'] * s['n'] // s['minibatches']} seqs "
-              f"(micro-batch {s['micro_batch']}) per RL step, {s['steps']} RL steps per run")
-    print("| model | side | rollout tok/s | update tok/s | step (s) | response len | ratio salvage/TRL (rollout / update / step time) |")
+        print(
+            f"- {model}: {s['prompts']} prompts x {s['n']} samples x <= {s['new_tokens']} new tokens, "
+            f"{s['minibatches']} optimiser steps of {s['prompts'] * s['n'] // s['minibatches']} seqs "
+            f"(micro-batch {s['micro_batch']}) per RL step, {s['steps']} RL steps per run"
+        )
+    print(
+        "| model | side | rollout tok/s | update tok/s | step (s) | response len | ratio salvage/TRL (rollout / update / step time) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for model, res in results.items():
         sv, tr = res["salvage"], res["trl"]
         for side, r in (("salvage", sv), ("TRL", tr)):
-            ratio = (f"{sv['rollout_tok_s'] / tr['rollout_tok_s']:.2f}x / {sv['update_tok_s'] / tr['update_tok_s']:.2f}x / "
-                     f"{sv['step_s'] / tr['step_s']:.2f}x") if side == "salvage" else ""
-            print(f"| {model} | {side} | {r['rollout_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | {r['step_s']:.2f} | "
-                  f"{r['resp_len']:.1f} | {ratio} |")
+            ratio = (
+                (
+                    f"{sv['rollout_tok_s'] / tr['rollout_tok_s']:.2f}x / {sv['update_tok_s'] / tr['update_tok_s']:.2f}x / "
+                    f"{sv['step_s'] / tr['step_s']:.2f}x"
+                )
+                if side == "salvage"
+                else ""
+            )
+            print(
+                f"| {model} | {side} | {r['rollout_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | {r['step_s']:.2f} | "
+                f"{r['resp_len']:.1f} | {ratio} |"
+            )
 
 
 if __name__ == "__main__":

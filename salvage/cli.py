@@ -53,8 +53,15 @@ class SalvageCLI(LightningCLI):
         ):
             # one folder per run dir (not per logger version), so "last" is found on resume
             root = config.get("default_root_dir") or os.getcwd()
-            callbacks = [*callbacks, ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), save_last=True,
-                                                     every_n_train_steps=1, save_top_k=0)]
+            callbacks = [
+                *callbacks,
+                ModelCheckpoint(
+                    dirpath=os.path.join(root, "checkpoints"),
+                    save_last=True,
+                    every_n_train_steps=1,
+                    save_top_k=0,
+                ),
+            ]
         return super()._instantiate_trainer(config, callbacks)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:

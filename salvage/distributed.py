@@ -59,9 +59,13 @@ class FSDPConfig:
         for key in ("param_dtype", "reduce_dtype"):
             val = getattr(self, key)
             if val is not None and val not in _DTYPES:
-                raise ValueError(f"model.fsdp.{key} must be one of {sorted(_DTYPES)} or null, got {val!r}")
+                raise ValueError(
+                    f"model.fsdp.{key} must be one of {sorted(_DTYPES)} or null, got {val!r}"
+                )
         if self.reference not in ("shard", "offload", "replicate"):
-            raise ValueError(f"model.fsdp.reference must be shard, offload or replicate, got {self.reference!r}")
+            raise ValueError(
+                f"model.fsdp.reference must be shard, offload or replicate, got {self.reference!r}"
+            )
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -151,7 +155,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     raise ValueError(f"FSDP: cannot find the decoder layers of {type(model).__name__} to shard")
 
 
-def shard_model(model: torch.nn.Module, mesh: Any, cfg: FSDPConfig, frozen: bool = False) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, mesh: Any, cfg: FSDPConfig, frozen: bool = False
+) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root, on ``mesh`` (in place; returns ``model``).
 
     ``frozen``: a reference / teacher (no gradients; ``cfg.reference`` decides offloading).
@@ -164,7 +170,9 @@ def shard_model(model: torch.nn.Module, mesh: Any, cfg: FSDPConfig, frozen: bool
             enable: Any = model.gradient_checkpointing_enable  # an HF PreTrainedModel
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            raise ValueError(f"model.fsdp.activation_checkpointing: {type(model).__name__} does not support it")
+            raise ValueError(
+                f"model.fsdp.activation_checkpointing: {type(model).__name__} does not support it"
+            )
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.param_dtype is not None or cfg.reduce_dtype is not None:
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(
@@ -186,8 +194,10 @@ def wants_offload(cfg: FSDPConfig, frozen: bool, device_type: str) -> bool:
     want = cfg.cpu_offload or (frozen and cfg.reference == "offload")
     if want and device_type == "cpu":
         key = "model.fsdp.cpu_offload" if cfg.cpu_offload else "model.fsdp.reference=offload"
-        raise ValueError(f"{key} needs a GPU mesh: on CPU the shards are in CPU memory already; "
-                         "use reference: shard (or cpu_offload: false)")
+        raise ValueError(
+            f"{key} needs a GPU mesh: on CPU the shards are in CPU memory already; "
+            "use reference: shard (or cpu_offload: false)"
+        )
     return want
 
 

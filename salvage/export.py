@@ -49,7 +49,9 @@ def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> 
     sd: dict[str, torch.Tensor] = state["state_dict"]
     if any(k.startswith("a.policy.") for k in sd):  # GRAFT
         if policy not in ("a", "b"):
-            raise ValueError("this is a GRAFT checkpoint with two policies: pass --policy a or --policy b")
+            raise ValueError(
+                "this is a GRAFT checkpoint with two policies: pass --policy a or --policy b"
+            )
         spec_dict, prefix = hp[f"policy_{policy}"], f"{policy}.policy."
     else:
         if policy not in (None, "a"):
@@ -62,8 +64,10 @@ def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> 
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not match {spec.name_or_path!r}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"checkpoint does not match {spec.name_or_path!r}: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.requires_grad_(True)
@@ -73,11 +77,19 @@ def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="salvage export", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("ckpt", help="a Lightning checkpoint (e.g. RUN/checkpoints/last.ckpt; a file, or a "
-                                 "distributed checkpoint directory)")
+    ap = argparse.ArgumentParser(
+        prog="salvage export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "ckpt",
+        help="a Lightning checkpoint (e.g. RUN/checkpoints/last.ckpt; a file, or a "
+        "distributed checkpoint directory)",
+    )
     ap.add_argument("out_dir", help="where the HF directory goes")
-    ap.add_argument("--policy", choices=["a", "b"], default=None, help="GRAFT: which of the two policies")
+    ap.add_argument(
+        "--policy", choices=["a", "b"], default=None, help="GRAFT: which of the two policies"
+    )
     a = ap.parse_args(argv)
     print(f"wrote {export(a.ckpt, a.out_dir, a.policy)}")

@@ -57,7 +57,12 @@ def token_logprobs(
     first = max(0, min(int(first), T - 1))
     if first:
         try:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=T - first)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+                logits_to_keep=T - first,
+            )
         except TypeError:  # a model without logits_to_keep: score every position
             first = 0
     if not first:

@@ -31,9 +31,13 @@ class StepMetrics(torch.nn.Module):
         )
         self._touched: set[str] = set()
 
-    def update(self, name: str, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0) -> None:
+    def update(
+        self, name: str, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0
+    ) -> None:
         m = self.metrics[self._key[name]]
-        v = torch.as_tensor(value, dtype=torch.float32, device=m.device if hasattr(m, "device") else None)
+        v = torch.as_tensor(
+            value, dtype=torch.float32, device=m.device if hasattr(m, "device") else None
+        )
         if isinstance(m, MeanMetric):
             m.update(v, torch.as_tensor(weight, dtype=torch.float32, device=v.device))
         else:

@@ -67,15 +67,17 @@ class PolicySpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(
-                f"policy.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
+            raise ValueError(f"policy.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not self.name_or_path:
             raise ValueError("policy.name_or_path must be set (e.g. 'tiny')")
         if self.trainable_layers is not None and self.trainable_layers < 1:
-            raise ValueError(f"policy.trainable_layers must be >= 1 or null, got {self.trainable_layers}")
+            raise ValueError(
+                f"policy.trainable_layers must be >= 1 or null, got {self.trainable_layers}"
+            )
         if self.vocab_size < 300:
-            raise ValueError(f"policy.vocab_size must be >= 300 (byte alphabet + specials), got {self.vocab_size}")
+            raise ValueError(
+                f"policy.vocab_size must be >= 300 (byte alphabet + specials), got {self.vocab_size}"
+            )
 
 
 def cache_dir() -> Path:
@@ -143,7 +145,9 @@ def freeze_below(model: torch.nn.Module, top: int) -> None:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"policy.trainable_layers: {type(model).__name__} has no .model.layers to select from")
+        raise ValueError(
+            f"policy.trainable_layers: {type(model).__name__} has no .model.layers to select from"
+        )
     model.requires_grad_(False)
     for layer in list(layers)[-top:]:
         layer.requires_grad_(True)
@@ -173,7 +177,9 @@ def _tiny_corpus() -> list[str]:
     lines = [words, words.lower()]
     for a in range(0, 100, 7):
         for b in range(0, 100, 11):
-            lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}.")
+            lines.append(
+                f"What is {a} + {b}? {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}."
+            )
             lines.append(f"Compute {a} * {b} - {b}: \\boxed{{{a * b - b}}}")
     lines.append("0123456789 +-*/=()[]{}<>.,:;!?'\"\\^_|~#$%&@`")
     return lines

@@ -35,7 +35,9 @@ class _Bar:
 
 
 @contextmanager
-def stage(description: str, total: float | None, unit: str = "it", console: Any = None) -> Iterator[Any]:
+def stage(
+    description: str, total: float | None, unit: str = "it", console: Any = None
+) -> Iterator[Any]:
     """``with stage("rollout", total=H, unit="turn") as bar: ... bar.advance()``."""
     if not enabled():
         yield _Quiet()
@@ -43,8 +45,13 @@ def stage(description: str, total: float | None, unit: str = "it", console: Any 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    cols = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("[cyan]{task.fields[rate]}"), TimeElapsedColumn()]
+    cols = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("[cyan]{task.fields[rate]}"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*cols, transient=True, console=console or Console(stderr=True)) as p:
         task = p.add_task(description, total=total, rate="")
         bar = _Bar(p, task)

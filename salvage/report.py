@@ -105,13 +105,35 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
         plt.close(fig)
         written.append(name)
 
-    plot_lines("rewards.png", ["rollout/reward_mean", "rollout/success_rate", "val/success", "a/rollout/success_rate",
-                               "b/rollout/success_rate"], "reward and success", "value")
-    plot_lines("zero_signal.png", ["rollout/zero_signal_frac"], "zero-signal groups (fraction of the batch)",
-               "fraction")
-    plot_lines("extra_tokens.png", ["cost/extra_tokens_teacher", "cost/extra_tokens_search",
-                                    "cost/extra_tokens_confirm", "cost/extra_tokens_student"],
-               "cumulative extra output tokens", "tokens")
+    plot_lines(
+        "rewards.png",
+        [
+            "rollout/reward_mean",
+            "rollout/success_rate",
+            "val/success",
+            "a/rollout/success_rate",
+            "b/rollout/success_rate",
+        ],
+        "reward and success",
+        "value",
+    )
+    plot_lines(
+        "zero_signal.png",
+        ["rollout/zero_signal_frac"],
+        "zero-signal groups (fraction of the batch)",
+        "fraction",
+    )
+    plot_lines(
+        "extra_tokens.png",
+        [
+            "cost/extra_tokens_teacher",
+            "cost/extra_tokens_search",
+            "cost/extra_tokens_confirm",
+            "cost/extra_tokens_student",
+        ],
+        "cumulative extra output tokens",
+        "tokens",
+    )
 
     kept = [r for r in relays if r.get("retained") and r.get("L")]
     if kept:
@@ -123,7 +145,9 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
         ax.bar(idx, omitted, bottom=j, label="omitted (L - j*)", color="tab:orange")
         ax.set_xlabel("retained relay")
         ax.set_ylabel("teacher actions")
-        ax.set_title(f"per-relay L vs j* (pooled reduction {1 - sum(j) / sum(r['L'] for r in kept):.0%})")
+        ax.set_title(
+            f"per-relay L vs j* (pooled reduction {1 - sum(j) / sum(r['L'] for r in kept):.0%})"
+        )
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "relays.png", dpi=110)
@@ -151,7 +175,9 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
     else:
         skipped["graft.png"] = "not a GRAFT run"
 
-    score_key = next((k for k in ("val/aggregate", "val/success", "rollout/success_rate") if k in m), None)
+    score_key = next(
+        (k for k in ("val/aggregate", "val/success", "rollout/success_rate") if k in m), None
+    )
     if "cost/gpu_hours" in m and score_key:
         cost = dict(m["cost/gpu_hours"])
         pts = [(cost[s], v) for s, v in m[score_key] if s in cost]
@@ -170,14 +196,22 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
         skipped["cost.png"] = "cost/gpu_hours or a score not logged"
 
     last = {k: v[-1][1] for k, v in m.items()}
-    lines = [f"# salvage run report: {run}", "", f"metrics: `{mpath.relative_to(run)}`, {len(m)} series", ""]
+    lines = [
+        f"# salvage run report: {run}",
+        "",
+        f"metrics: `{mpath.relative_to(run)}`, {len(m)} series",
+        "",
+    ]
     lines += ["| metric | first | last |", "|---|---|---|"]
     for k in sorted(m):
         if k.split("/")[0] in ("rollout", "relay", "cost", "loss", "graft", "val", "eval", "sft"):
             lines.append(f"| {k} | {m[k][0][1]:.4g} | {last[k]:.4g} |")
     if kept:
         fr = [r["j_star"] / r["L"] for r in kept]
-        lines += ["", f"retained relays: {len(kept)} of {len(relays)} searched; mean j*/L {sum(fr) / len(fr):.3f}"]
+        lines += [
+            "",
+            f"retained relays: {len(kept)} of {len(relays)} searched; mean j*/L {sum(fr) / len(fr):.3f}",
+        ]
     lines += ["", "plots: " + ", ".join(f"![{w}]({w})" for w in written)]
     if skipped:
         lines += ["", "skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items())]
@@ -187,8 +221,11 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="salvage report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="salvage report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("run_dir", help="a run directory (trainer.default_root_dir)")
     a = ap.parse_args(argv)
     res = make_report(a.run_dir)

@@ -25,10 +25,16 @@ class FSDP2Strategy(ModelParallelStrategy):
     def __init__(self, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
         for key in ("data_parallel_size", "tensor_parallel_size"):
             if key in kwargs:
-                raise ValueError(f"trainer.strategy.init_args.{key}: FSDP2Strategy sets it (all processes shard "
-                                 "data-parallel); use ModelParallelStrategy directly to choose the mesh")
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+                raise ValueError(
+                    f"trainer.strategy.init_args.{key}: FSDP2Strategy sets it (all processes shard "
+                    "data-parallel); use ModelParallelStrategy directly to choose the mesh"
+                )
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.world_size

@@ -53,20 +53,39 @@ def _groups(spec: PolicySpec, succ: list[list[int]]) -> list[Group]:
     model.eval()
     groups = []
     for q, pattern in enumerate(succ):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"What is {q} + 1?"}],
-                                         add_generation_prompt=True, tokenize=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": f"What is {q} + 1?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         p_ids = list(tok(prompt, add_special_tokens=False)["input_ids"])
         texts = _texts(q, len(pattern))
-        resp = [list(tok(t, add_special_tokens=False)["input_ids"]) + [int(tok.eos_token_id)] for t in texts]
+        resp = [
+            list(tok(t, add_special_tokens=False)["input_ids"]) + [int(tok.eos_token_id)]
+            for t in texts
+        ]
         with torch.no_grad():
-            lps = response_logprobs(model, [p_ids] * len(resp), resp, int(tok.pad_token_id), temperature=1.0)
+            lps = response_logprobs(
+                model, [p_ids] * len(resp), resp, int(tok.pad_token_id), temperature=1.0
+            )
         g = torch.Generator().manual_seed(7 + q)
         trajs = []
         for text, ids, lp, s in zip(texts, resp, lps, pattern, strict=True):
             noise = (torch.rand(len(lp), generator=g) - 0.5) * 0.6  # ratios away from 1: some clip
-            trajs.append(Trajectory(turns=[Turn(p_ids, ids, [float(x) for x in torch.tensor(lp) + noise],
-                                                response_text=text)],
-                                    reward=float(s), success=bool(s)))
+            trajs.append(
+                Trajectory(
+                    turns=[
+                        Turn(
+                            p_ids,
+                            ids,
+                            [float(x) for x in torch.tensor(lp) + noise],
+                            response_text=text,
+                        )
+                    ],
+                    reward=float(s),
+                    success=bool(s),
+                )
+            )
         grp = Group(task_id=f"q{q}", trajectories=trajs, task={"id": f"q{q}"})
         assign_advantages(grp, "grpo", 1e-6, 1e-6, 1e-6)
         groups.append(grp)
@@ -77,14 +96,22 @@ def _relays(spec: PolicySpec) -> list[RelayData]:
     _, tok = load_policy(spec)
 
     def tgt(text: str, ctx: str) -> SeqTarget:
-        return SeqTarget(list(tok(ctx, add_special_tokens=False)["input_ids"]),
-                         list(tok(text, add_special_tokens=False)["input_ids"]))
+        return SeqTarget(
+            list(tok(ctx, add_special_tokens=False)["input_ids"]),
+            list(tok(text, add_special_tokens=False)["input_ids"]),
+        )
 
     return [
-        RelayData(bridge=[tgt("take coin", "room a"), tgt("go north", "room b")], resume=[tgt("go east", "hall")],
-                  pair=(tgt("take coin", "room a"), tgt("go west", "room a"))),
-        RelayData(bridge=[tgt("open door", "room c")], resume=[tgt("take key", "room d"), tgt("go south", "room e")],
-                  pair=(tgt("go north", "room b"), tgt("look", "room b"))),
+        RelayData(
+            bridge=[tgt("take coin", "room a"), tgt("go north", "room b")],
+            resume=[tgt("go east", "hall")],
+            pair=(tgt("take coin", "room a"), tgt("go west", "room a")),
+        ),
+        RelayData(
+            bridge=[tgt("open door", "room c")],
+            resume=[tgt("take key", "room d"), tgt("go south", "room e")],
+            pair=(tgt("go north", "room b"), tgt("look", "room b")),
+        ),
         RelayData(bridge=[tgt("take apple", "kitchen")], resume=[], pair=None),
     ]
 
@@ -131,15 +158,25 @@ def make_module(kind: str, fsdp: FSDPConfig | None = None) -> L.LightningModule:
     if kind == "grpo":
         from salvage.modules.grpo import GRPOModule
 
-        return GRPOModule(policy=SPEC_A, num_minibatches=2, kl_coef=0.05, shuffle_minibatches=False, **common)
+        return GRPOModule(
+            policy=SPEC_A, num_minibatches=2, kl_coef=0.05, shuffle_minibatches=False, **common
+        )
     if kind == "vhgpo":
         from salvage.modules.vhgpo import VHGPOModule
 
-        return VHGPOModule(policy=SPEC_A, num_minibatches=2, loss_agg="seq-mean-token-mean", beta=0.1,
-                           shuffle_minibatches=False, **common)
+        return VHGPOModule(
+            policy=SPEC_A,
+            num_minibatches=2,
+            loss_agg="seq-mean-token-mean",
+            beta=0.1,
+            shuffle_minibatches=False,
+            **common,
+        )
     from salvage.modules.graft import GRAFTModule
 
-    return GRAFTModule(policy_a=SPEC_A, policy_b=SPEC_B, num_minibatches=1, balance="none", **common)
+    return GRAFTModule(
+        policy_a=SPEC_A, policy_b=SPEC_B, num_minibatches=1, balance="none", **common
+    )
 
 
 def policies(module: L.LightningModule) -> dict[str, torch.nn.Module]:
@@ -166,20 +203,42 @@ def main() -> None:
     if args.devices > 1 and args.strategy == "fsdp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        kw["strategy"] = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+        kw["strategy"] = ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1
+        )
     elif args.devices > 1:
         kw["strategy"] = "ddp"
     callbacks = []
     if args.checkpoint:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), save_last=True, save_top_k=0,
-                                         every_n_train_steps=1))
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=1, logger=False,
-                        enable_checkpointing=args.checkpoint, callbacks=callbacks, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(out), **kw)
-    module = make_module(args.kind, FSDPConfig(activation_checkpointing=args.activation_checkpointing,
-                                               reference=args.reference))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=str(out / "checkpoints"),
+                save_last=True,
+                save_top_k=0,
+                every_n_train_steps=1,
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=args.checkpoint,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        default_root_dir=str(out),
+        **kw,
+    )
+    module = make_module(
+        args.kind,
+        FSDPConfig(
+            activation_checkpointing=args.activation_checkpointing, reference=args.reference
+        ),
+    )
     trainer.fit(module, datamodule=FixedData(args.kind))
     rank, _ = world()
     shards = {}
@@ -194,7 +253,9 @@ def main() -> None:
                 get_model_state_dict,
             )
 
-            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            sd = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         else:
             sd = model.state_dict()
         full.update({f"{name}.{k}": v.detach().cpu().clone() for k, v in sd.items()})

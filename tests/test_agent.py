@@ -58,7 +58,9 @@ def test_trajectory_reward():
 
 
 def _needs_twx():
-    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is not installed")
+    pytest.importorskip(
+        "textworld_express", reason="textworld-express (extra twx) is not installed"
+    )
     if shutil.which("java") is None:
         pytest.skip("TextWorld-Express needs Java")
 
@@ -117,7 +119,9 @@ def test_oracle_wins_and_a_recorded_state_resumes_with_its_history():
         assert e.won and all(t.valid for t in e.turns)
         # restart from depth 2 of that episode: verified restore, budget H - 2
         state = e.state_at(2)
-        again = runner.run([Start(tasks[0], 0, state=state, history=e.history[:2])], OraclePolicy(fmt), seed=0)[0]
+        again = runner.run(
+            [Start(tasks[0], 0, state=state, history=e.history[:2])], OraclePolicy(fmt), seed=0
+        )[0]
         assert again.error is None and again.won
         assert again.turns[0].depth == 2 and again.turns[0].budget == 8
         assert again.actions == e.actions[2:]
@@ -138,16 +142,29 @@ def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
     _needs_twx()
     run = tmp_path / "RUN"
     base = [sys.executable, "-m", "salvage.cli"]
-    cfg = ["--config", str(ROOT / "configs/agent/twx_grpo.yaml"), "--trainer.default_root_dir", str(run),
-           "--trainer.enable_progress_bar", "false"]
-    proc = subprocess.run([*base, "fit", *cfg, "--trainer.max_steps", "2"], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    cfg = [
+        "--config",
+        str(ROOT / "configs/agent/twx_grpo.yaml"),
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
+    proc = subprocess.run(
+        [*base, "fit", *cfg, "--trainer.max_steps", "2"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
     steps = [r for r in rows if r.get("rollout/turns")]
     assert len(steps) == 2 and float(steps[0]["rollout/turns"]) > 1
     assert float(steps[0]["rollout/invalid_turn_frac"]) > 0 and steps[0]["env/errors"] == "0.0"
-    proc = subprocess.run([*base, "test", *cfg], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [*base, "test", *cfg], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/success/coin" in proc.stdout and "eval/success " in proc.stdout.replace("│", " ")

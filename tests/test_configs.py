@@ -45,7 +45,9 @@ def test_config_parses_and_instantiates(path, monkeypatch):
         if not (ROOT / rel).exists():
             pytest.skip(f"{rel} is absent (configs reading ../shared/data need it)")
     args = [a for c in configs for a in ("--config", str(ROOT / c))]
-    names = set(re.findall(r"name_or_path:\s*([^\s,}]+)", "".join((ROOT / c).read_text() for c in configs)))
+    names = set(
+        re.findall(r"name_or_path:\s*([^\s,}]+)", "".join((ROOT / c).read_text() for c in configs))
+    )
     parse_only = bool(names - BUILTIN)
     if re.search(r"accelerator:\s*gpu", text):
         import torch
@@ -58,8 +60,13 @@ def test_config_parses_and_instantiates(path, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     cls = ParseOnly if parse_only else SalvageCLI
-    cli = cls(subclass_mode_model=True, subclass_mode_data=True, args=args, run=False,
-              auto_configure_optimizers=False)
+    cli = cls(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=False,
+        auto_configure_optimizers=False,
+    )
     if not parse_only:
         assert cli.model is not None and cli.datamodule is not None and cli.trainer is not None
     else:

@@ -12,7 +12,9 @@ def _prompts(tok):
     texts = ["What is 2 + 3?", "Compute 7 * 8 - 8 and output the final answer within \\boxed{}."]
     out = []
     for t in texts:
-        s = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        s = tok.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+        )
         out.append(tok(s, add_special_tokens=False)["input_ids"])
     assert len(out[0]) != len(out[1])  # padding is exercised
     return out
@@ -118,8 +120,10 @@ def test_token_logprobs_from_first_position_equal_the_full_pass(tiny):
 
     model, tok = tiny
     model.eval()
-    seqs = [tok("what is 3 + 4 ? the answer is 7", add_special_tokens=False)["input_ids"],
-            tok("go north then take the coin", add_special_tokens=False)["input_ids"]]
+    seqs = [
+        tok("what is 3 + 4 ? the answer is 7", add_special_tokens=False)["input_ids"],
+        tok("go north then take the coin", add_special_tokens=False)["input_ids"],
+    ]
     ids, mask = pad_right(seqs, int(tok.pad_token_id), "cpu")
     with torch.no_grad():
         full = token_logprobs(model, ids, mask, 0.7)

@@ -56,7 +56,9 @@ def test_scripted_restore_every_depth_and_tampering():
 
 
 def _needs_twx():
-    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is not installed")
+    pytest.importorskip(
+        "textworld_express", reason="textworld-express (extra twx) is not installed"
+    )
     if shutil.which("java") is None:
         pytest.skip("TextWorld-Express needs Java")
 
@@ -86,11 +88,14 @@ def test_twx_restore_every_depth_reproduces_observation(game):
         env.close()
 
 
-@pytest.mark.parametrize(("game", "params", "shortest"), [
-    ("twc", None, 3),  # take X, open container, put X in container
-    # coin-4, seed 0: the coin lies in the pantry, north of the kitchen: move north, take coin
-    ("coin", "numLocations=4,includeDoors=0,numDistractorItems=0", 2),
-])
+@pytest.mark.parametrize(
+    ("game", "params", "shortest"),
+    [
+        ("twc", None, 3),  # take X, open container, put X in container
+        # coin-4, seed 0: the coin lies in the pantry, north of the kitchen: move north, take coin
+        ("coin", "numLocations=4,includeDoors=0,numDistractorItems=0", 2),
+    ],
+)
 def test_twx_planner_oracle_is_shortest_deterministic_and_replans(game, params, shortest):
     _needs_twx()
     env = make_env("twx")

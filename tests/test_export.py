@@ -22,14 +22,38 @@ def test_export_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-2, num_minibatches=1)
-    data = RLVRDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=2,
-                          group_size=4, engine=EngineConfig(max_new_tokens=8), reward=DigitFraction())
-    ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=1, save_top_k=0)
-    L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-              callbacks=[ck]).fit(module, datamodule=data)
+    data = RLVRDataModule(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=2,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+        reward=DigitFraction(),
+    )
+    ck = ModelCheckpoint(
+        dirpath=tmp_path / "ck", save_last=True, every_n_train_steps=1, save_top_k=0
+    )
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ck],
+    ).fit(module, datamodule=data)
     out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "salvage.cli", "export", str(tmp_path / "ck" / "last.ckpt"), str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "salvage.cli",
+            "export",
+            str(tmp_path / "ck" / "last.ckpt"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -39,12 +63,16 @@ def test_export_round_trip(tmp_path):
     assert tok(text)["input_ids"] == module.tokenizer(text)["input_ids"]
     module.policy.eval()
     with torch.no_grad():
-        assert torch.allclose(model(input_ids=ids).logits, module.policy(input_ids=ids).logits, atol=1e-5)
+        assert torch.allclose(
+            model(input_ids=ids).logits, module.policy(input_ids=ids).logits, atol=1e-5
+        )
 
 
 def test_export_refuses_an_ambiguous_graft_checkpoint(tmp_path):
     from salvage.export import export
 
-    torch.save({"hyper_parameters": {}, "state_dict": {"a.policy.x": torch.zeros(1)}}, tmp_path / "g.ckpt")
+    torch.save(
+        {"hyper_parameters": {}, "state_dict": {"a.policy.x": torch.zeros(1)}}, tmp_path / "g.ckpt"
+    )
     with pytest.raises(ValueError, match="pass --policy a or --policy b"):
         export(tmp_path / "g.ckpt", tmp_path / "out")

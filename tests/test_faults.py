@@ -19,13 +19,25 @@ from salvage.tasks.math import MathData, Reward, RewardResult
 
 
 def _trainer(steps=2):
-    return L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
 
 
 def _data(reward):
-    return RLVRDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=16), prompts_per_step=2,
-                          group_size=4, engine=EngineConfig(max_new_tokens=8), reward=reward)
+    return RLVRDataModule(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=16),
+        prompts_per_step=2,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+        reward=reward,
+    )
 
 
 class NaNReward(Reward):
@@ -36,13 +48,17 @@ class NaNReward(Reward):
 
 
 def test_non_finite_updates_are_skipped_then_the_run_stops():
-    module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-3, num_minibatches=2, max_nonfinite_in_a_row=3)
+    module = GRPOModule(
+        policy=PolicySpec("tiny"), lr=1e-3, num_minibatches=2, max_nonfinite_in_a_row=3
+    )
     module.configure_model()
     before = {k: p.detach().clone() for k, p in module.policy.named_parameters()}
     with pytest.raises(NonFiniteLossError, match="3 non-finite updates in a row"):
         _trainer(steps=5).fit(module, datamodule=_data(NaNReward()))
     assert module.skipped_updates == 3  # minibatch 1 and 2 of update 1, minibatch 1 of update 2
-    assert all((p == before[k]).all() for k, p in module.policy.named_parameters())  # nothing applied
+    assert all(
+        (p == before[k]).all() for k, p in module.policy.named_parameters()
+    )  # nothing applied
 
 
 class FlakyEngine:
@@ -70,16 +86,26 @@ class FlakyData(RLVRDataModule):
 
 def test_engine_error_is_retried_once():
     module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-3)
-    data = FlakyData(train=MathData(source="reasoning_gym:basic_arithmetic", size=16), prompts_per_step=2,
-                     group_size=4, engine=EngineConfig(max_new_tokens=8), reward=DigitFraction())
+    data = FlakyData(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=16),
+        prompts_per_step=2,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+        reward=DigitFraction(),
+    )
     trainer = _trainer(steps=2)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2 and data.engine.calls == 3  # 1 failure + 1 retry + step 2
 
 
 def test_engine_failing_twice_fails_the_step_with_the_cause():
-    data = FlakyData(train=MathData(source="reasoning_gym:basic_arithmetic", size=16), prompts_per_step=2,
-                     group_size=4, engine=EngineConfig(max_new_tokens=8), reward=DigitFraction())
+    data = FlakyData(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=16),
+        prompts_per_step=2,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+        reward=DigitFraction(),
+    )
     data.failures = 2
     with pytest.raises(RolloutEngineError, match="engine fault 1.*engine fault 2"):
         _trainer(steps=2).fit(GRPOModule(policy=PolicySpec("tiny")), datamodule=data)
@@ -88,11 +114,16 @@ def test_engine_failing_twice_fails_the_step_with_the_cause():
 def test_lm_teacher_with_another_tokenizer_and_malformed_output(tmp_path):
     # a random tiny LM with a different vocabulary as teacher: its outputs are malformed
     # actions, every recovery fails, its tokens are counted, the run goes on
-    teacher = TeacherSpec(kind="lm", policy=PolicySpec("tiny", vocab_size=700, seed=5),
-                          engine=EngineConfig(max_new_tokens=6))
+    teacher = TeacherSpec(
+        kind="lm",
+        policy=PolicySpec("tiny", vocab_size=700, seed=5),
+        engine=EngineConfig(max_new_tokens=6),
+    )
     trainer, cap, recs = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG), teacher=teacher))
     assert trainer.global_step == 1
-    assert all(not r["retained"] and r["reason"] == "no teacher recovery from any anchor" for r in recs)
+    assert all(
+        not r["retained"] and r["reason"] == "no teacher recovery from any anchor" for r in recs
+    )
     assert all(r["teacher_attempts"] == 8 for r in recs)
     assert float(trainer.callback_metrics["cost/extra_tokens_teacher"]) > 0
     assert cap.relays == []

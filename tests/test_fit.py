@@ -24,8 +24,15 @@ from salvage.tasks.math import MathData, Reward, RewardResult
 ROOT = Path(__file__).resolve().parents[1]
 
 REQUIRED = [
-    "rollout/reward_mean", "rollout/success_rate", "rollout/zero_signal_frac", "rollout/response_len",
-    "loss/policy", "loss/kl", "loss/clip_frac", "perf/rollout_tokens_per_s", "perf/step_s",
+    "rollout/reward_mean",
+    "rollout/success_rate",
+    "rollout/zero_signal_frac",
+    "rollout/response_len",
+    "loss/policy",
+    "loss/kl",
+    "loss/clip_frac",
+    "perf/rollout_tokens_per_s",
+    "perf/step_s",
     "cost/gpu_hours",
 ]
 
@@ -41,17 +48,36 @@ class DigitFraction(Reward):
 
 
 def _fit(tmp_path, num_minibatches=2, **model_kw):
-    module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-2, weight_decay=0.0, num_minibatches=num_minibatches,
-                        micro_batch_size=8, kl_coef=0.05, **model_kw)
+    module = GRPOModule(
+        policy=PolicySpec("tiny"),
+        lr=1e-2,
+        weight_decay=0.0,
+        num_minibatches=num_minibatches,
+        micro_batch_size=8,
+        kl_coef=0.05,
+        **model_kw,
+    )
     data = RLVRDataModule(
         train=MathData(source="reasoning_gym:basic_arithmetic", size=40),
-        prompts_per_step=4, group_size=4, engine=EngineConfig(max_new_tokens=16), reward=DigitFraction(),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=16),
+        reward=DigitFraction(),
     )
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=CSVLogger(tmp_path, name=""), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        callbacks=[CostTracker()], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=CSVLogger(tmp_path, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[CostTracker()],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=data)
     return module, trainer, before
 
@@ -59,7 +85,9 @@ def _fit(tmp_path, num_minibatches=2, **model_kw):
 def test_short_fit_moves_every_parameter_and_losses_are_finite(tmp_path):
     module, trainer, before = _fit(tmp_path)
     assert trainer.global_step == 2  # one global step per rollout batch, not per minibatch
-    unchanged = [n for n, p in module.policy.named_parameters() if torch.equal(p.detach(), before[n])]
+    unchanged = [
+        n for n, p in module.policy.named_parameters() if torch.equal(p.detach(), before[n])
+    ]
     assert unchanged == []
     m = trainer.callback_metrics
     for k in ("loss/policy", "loss/kl", "loss/total", "train/grad_norm"):
@@ -67,7 +95,9 @@ def test_short_fit_moves_every_parameter_and_losses_are_finite(tmp_path):
     assert float(m["train/grad_norm"]) > 0
     assert float(m["loss/kl"]) > 0  # the policy moved away from the reference after step 1
     assert 0 <= float(m["loss/clip_frac"]) <= 1
-    assert module.ref_model is not None and not any(p.requires_grad for p in module.ref_model.parameters())
+    assert module.ref_model is not None and not any(
+        p.requires_grad for p in module.ref_model.parameters()
+    )
     # the reference stays the initial policy
     ref = dict(module.ref_model.named_parameters())
     assert all(torch.equal(ref[n], before[n]) for n in before)
@@ -104,10 +134,23 @@ def _env():
 
 def test_cli_fit_math_tiny_writes_metrics_csv(tmp_path):
     run = tmp_path / "RUN"
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/grpo/math_tiny.yaml"),
-           "--trainer.max_steps", "2", "--trainer.default_root_dir", str(run),
-           "--trainer.enable_progress_bar", "false"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs/grpo/math_tiny.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(run.glob("**/metrics.csv"))
     assert len(files) == 1
@@ -124,14 +167,36 @@ def test_cli_fit_math_tiny_writes_metrics_csv(tmp_path):
 
 def test_cli_resume_with_ckpt_path_last(tmp_path):
     run = tmp_path / "RUN"
-    base = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/grpo/math_tiny.yaml"),
-            "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
-    first = subprocess.run([*base, "--trainer.max_steps", "2"], cwd=tmp_path, env=_env(), capture_output=True,
-                           text=True, timeout=300)
+    base = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs/grpo/math_tiny.yaml"),
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
+    first = subprocess.run(
+        [*base, "--trainer.max_steps", "2"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     assert list(run.glob("**/last.ckpt"))
-    again = subprocess.run([*base, "--trainer.max_steps", "3", "--ckpt_path", "last"], cwd=tmp_path, env=_env(),
-                           capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        [*base, "--trainer.max_steps", "3", "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     newest = sorted(run.glob("version_*/metrics.csv"))[-1]
     steps = [r["step"] for r in csv.DictReader(newest.open()) if r.get("perf/step_s")]
@@ -139,9 +204,21 @@ def test_cli_resume_with_ckpt_path_last(tmp_path):
 
 
 def test_cli_refuses_bad_config_before_loading_anything(tmp_path):
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/grpo/math_tiny.yaml"),
-           "--model.init_args.clip_eps_low", "1.5", "--trainer.default_root_dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs/grpo/math_tiny.yaml"),
+        "--model.init_args.clip_eps_low",
+        "1.5",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode != 0
     assert "clip_eps_low" in proc.stderr and "1.5" in proc.stderr
     assert not list(tmp_path.glob("**/metrics.csv"))
@@ -154,10 +231,21 @@ def test_trainable_layers_freezes_the_rest(tmp_path):
     trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("model.layers.1.", "model.norm")) for n in trainable)
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
-    data = RLVRDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=2,
-                          group_size=4, engine=EngineConfig(max_new_tokens=12), reward=DigitFraction())
-    L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False).fit(module, datamodule=data)
+    data = RLVRDataModule(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=2,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=12),
+        reward=DigitFraction(),
+    )
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, datamodule=data)
     for n, p in module.policy.named_parameters():
         assert torch.equal(p, before[n]) == (n not in trainable), n
     with pytest.raises(ValueError, match="trainable_layers must be >= 1"):
@@ -165,9 +253,20 @@ def test_trainable_layers_freezes_the_rest(tmp_path):
 
 
 def test_unknown_ablation_callback_is_refused_naming_it(tmp_path):
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/vhgpo/twx_tiny.yaml"),
-           "--trainer.callbacks+=salvage.callbacks.relay.NoSuchHandoff", "--trainer.default_root_dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        str(ROOT / "configs/vhgpo/twx_tiny.yaml"),
+        "--trainer.callbacks+=salvage.callbacks.relay.NoSuchHandoff",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode != 0
     assert "NoSuchHandoff" in proc.stderr
     assert not list(tmp_path.glob("**/metrics.csv"))

@@ -80,8 +80,14 @@ def test_fsdp_config_rejects_bad_values():
 # ----------------------------------------------------------------------------- 2 processes
 def _run(kind: str, out: Path, devices: int, *extra: str) -> Path:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(WORKER), kind, str(out), "--devices", str(devices), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), kind, str(out), "--devices", str(devices), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -106,11 +112,15 @@ def _check_equal(kind: str, one: Path, two: Path, tol: float) -> None:
     moved = max(float((p1[k] - init[k]).abs().max()) for k in p1)
     assert moved > 1e-4, "the step did not train anything"
     worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    assert worst < tol, f"FSDP step differs from the single-process step by {worst:.2e} (moved {moved:.2e})"
+    assert worst < tol, (
+        f"FSDP step differs from the single-process step by {worst:.2e} (moved {moved:.2e})"
+    )
     for rank in (0, 1):
         shards = json.loads((two / f"shards_{rank}.json").read_text())
         layer = {k: v for k, v in shards.items() if ".layers.0." in k}
-        assert layer and all(t == "DTensor" and local < full for local, full, t in layer.values()), layer
+        assert layer and all(
+            t == "DTensor" and local < full for local, full, t in layer.values()
+        ), layer
 
 
 @pytest.mark.slow
@@ -120,8 +130,13 @@ def test_fsdp2_step_equals_single_process_step(kind, tmp_path):
     two = _run(kind, tmp_path / "two", 2)
     _check_equal(kind, one, two, tol=2e-5)
     if kind == "graft":  # the same transfers, each rank deciding on its own share
+
         def moved(run: Path) -> list[int]:
-            recs = [json.loads(x) for f in sorted(run.glob("exchange*.jsonl")) for x in f.read_text().splitlines()]
+            recs = [
+                json.loads(x)
+                for f in sorted(run.glob("exchange*.jsonl"))
+                for x in f.read_text().splitlines()
+            ]
             return [sum(len(r["a_to_b"]) for r in recs), sum(len(r["b_to_a"]) for r in recs)]
 
         # SUCC_A / SUCC_B: q0 and q2 go A -> B (B solved none), q3 goes B -> A
@@ -129,8 +144,11 @@ def test_fsdp2_step_equals_single_process_step(kind, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--activation-checkpointing"], ["--reference", "replicate"]],
-                         ids=["activation-checkpointing", "replicated-reference"])
+@pytest.mark.parametrize(
+    "extra",
+    [["--activation-checkpointing"], ["--reference", "replicate"]],
+    ids=["activation-checkpointing", "replicated-reference"],
+)
 def test_fsdp2_switches_keep_the_step_equal(extra, tmp_path):
     one = _run("grpo", tmp_path / "one", 1)
     two = _run("grpo", tmp_path / "two", 2, *extra)
@@ -158,7 +176,7 @@ def test_fsdp2_distributed_checkpoint_exports_to_hf(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(export(ckpt, tmp_path / "hf"))
     trained = torch.load(two / "params.pt")
     sd = model.state_dict()
-    assert max(float((sd[k[len("policy."):]] - v).abs().max()) for k, v in trained.items()) == 0.0
+    assert max(float((sd[k[len("policy.") :]] - v).abs().max()) for k, v in trained.items()) == 0.0
 
 
 @pytest.mark.slow
@@ -166,12 +184,31 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
     """The documented fragment: rollouts (gathered), updates (sharded), a distributed
     ``last.ckpt`` after every update, and ``--ckpt_path last`` continuing from it."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", SALVAGE_PROGRESS="0")
-    base = [sys.executable, "-m", "salvage.cli", "fit", "--config", "configs/grpo/math_tiny.yaml",
-            "--config", "configs/trainer/fsdp.yaml", "--trainer.devices", "2",
-            "--model.init_args.fsdp.param_dtype", "float32", "--trainer.default_root_dir", str(tmp_path)]
+    base = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "fit",
+        "--config",
+        "configs/grpo/math_tiny.yaml",
+        "--config",
+        "configs/trainer/fsdp.yaml",
+        "--trainer.devices",
+        "2",
+        "--model.init_args.fsdp.param_dtype",
+        "float32",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    ]
     for steps, extra in ((1, []), (2, ["--ckpt_path", "last"])):
-        proc = subprocess.run(base + ["--trainer.max_steps", str(steps), *extra], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            base + ["--trainer.max_steps", str(steps), *extra],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         ckpt = tmp_path / "checkpoints" / "last.ckpt"
         assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2

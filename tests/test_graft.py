@@ -29,22 +29,40 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _group(samples, successes, task_id="q0"):
-    trajs = [Trajectory(turns=[Turn(s.prompt_ids, s.response_ids, s.logprobs, response_text=s.text,
-                                    finish_reason=s.finish_reason)], reward=float(ok), success=ok)
-             for s, ok in zip(samples, successes, strict=True)]
+    trajs = [
+        Trajectory(
+            turns=[
+                Turn(
+                    s.prompt_ids,
+                    s.response_ids,
+                    s.logprobs,
+                    response_text=s.text,
+                    finish_reason=s.finish_reason,
+                )
+            ],
+            reward=float(ok),
+            success=ok,
+        )
+        for s, ok in zip(samples, successes, strict=True)
+    ]
     g = Group(task_id=task_id, trajectories=trajs, task={"answer": "7"})
     assign_advantages(g, "grpo", 1e-6, 1e-6, 1e-6)
     return g
 
 
 def _prompt(tok, text="What is 3 + 4?"):
-    s = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    s = tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return list(tok(s, add_special_tokens=False)["input_ids"])
 
 
 def test_cross_tokenizer_exchange_between_two_tiny_models():
-    module = GRAFTModule(policy_a=PolicySpec("tiny", vocab_size=768), policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
-                         delta=0.8)
+    module = GRAFTModule(
+        policy_a=PolicySpec("tiny", vocab_size=768),
+        policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
+        delta=0.8,
+    )
     module.configure_model()
     ta, tb = module.a.tokenizer, module.b.tokenizer
     text = "The answer is \\boxed{7} because 3 + 4 = 7 and you take the coin"
@@ -64,7 +82,9 @@ def test_cross_tokenizer_exchange_between_two_tiny_models():
         want_ids = list(tb(s.text, add_special_tokens=False)["input_ids"])
         if s.finish_reason == "stop":
             want_ids.append(tb.eos_token_id)
-        assert turn.response_ids == want_ids and turn.prompt_ids == pb  # B's tokens, B's prompt format
+        assert (
+            turn.response_ids == want_ids and turn.prompt_ids == pb
+        )  # B's tokens, B's prompt format
         with torch.no_grad():  # B's pi_old log-probs by an independent teacher-forced pass
             ids = torch.tensor([pb + want_ids])
             lp = torch.log_softmax(module.b.policy(input_ids=ids).logits[0, :-1].float(), -1)
@@ -96,16 +116,30 @@ class ScriptedOutcomes(GraftDataModule):
 class CaptureOrder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.order = {n: batch.extras[n].extras["minibatch_groups"] for n in ("a", "b")}
-        self.peer = {n: [i for i, g in enumerate(batch.extras[n].groups) if g.info.get("peer")] for n in ("a", "b")}
+        self.peer = {
+            n: [i for i, g in enumerate(batch.extras[n].groups) if g.info.get("peer")]
+            for n in ("a", "b")
+        }
 
 
 def test_fit_exchanges_both_directions_peer_last(tmp_path):
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
-    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
-                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
     cap = CaptureOrder()
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=CSVLogger(tmp_path, name=""), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cap],
+    )
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
     assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
@@ -122,21 +156,49 @@ def test_fit_exchanges_both_directions_peer_last(tmp_path):
 def test_cli_graft_math_tiny_logs_graft_metrics(tmp_path):
     run = tmp_path / "RUN"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "salvage.cli", "fit", "--config", str(ROOT / "configs/graft/math_tiny.yaml"),
-                           "--trainer.max_steps", "2", "--trainer.default_root_dir", str(run),
-                           "--trainer.enable_progress_bar", "false"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "salvage.cli",
+            "fit",
+            "--config",
+            str(ROOT / "configs/graft/math_tiny.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.default_root_dir",
+            str(run),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
     assert len(rows) == 2
-    for k in ("graft/transferred_a_to_b", "graft/transferred_b_to_a", "graft/admitted_frac", "graft/weight_mean",
-              "a/rollout/success_rate", "b/rollout/success_rate", "a/loss/policy", "b/loss/policy"):
+    for k in (
+        "graft/transferred_a_to_b",
+        "graft/transferred_b_to_a",
+        "graft/admitted_frac",
+        "graft/weight_mean",
+        "a/rollout/success_rate",
+        "b/rollout/success_rate",
+        "a/loss/policy",
+        "b/loss/policy",
+    ):
         assert rows[0][k] != "", k
 
 
 def _pair(**kw):
-    module = GRAFTModule(policy_a=PolicySpec("tiny", vocab_size=768), policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
-                         **kw)
+    module = GRAFTModule(
+        policy_a=PolicySpec("tiny", vocab_size=768),
+        policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
+        **kw,
+    )
     module.configure_model()
     ta, tb = module.a.tokenizer, module.b.tokenizer
     sa = HFEngine(module.a.policy, ta, max_new_tokens=8).generate([_prompt(ta)], n=4, seed=3)[0]
@@ -158,7 +220,10 @@ def test_pooled_groups_recompute_advantages_over_receiver_and_peer():
     module, src, dst = _pair(peer_advantage="pooled")
     module.receive(src, dst, [0], module.b)
     g = dst.groups[0]
-    assert len(g.trajectories) == 8 and [t.source for t in g.trajectories] == ["self"] * 4 + ["peer"] * 4
+    assert (
+        len(g.trajectories) == 8
+        and [t.source for t in g.trajectories] == ["self"] * 4 + ["peer"] * 4
+    )
     # pool rewards [0,0,0,0, 1,0,0,0]: mean 1/8, unbiased var = (1 - 8/64) / 7 = 0.125, std 0.353553
     adv = [t.advantage for t in g.trajectories]
     assert adv[4] == pytest.approx((1 - 0.125) / 0.353553, abs=1e-4)
@@ -187,8 +252,14 @@ def test_luffy_peer_tokens_loss_by_hand():
     learner.configure_model()
     tok = learner.tokenizer
     s = HFEngine(learner.policy, tok, max_new_tokens=6).generate([_prompt(tok)], n=1, seed=1)[0][0]
-    t = Trajectory(turns=[Turn(s.prompt_ids, s.response_ids, s.logprobs, response_text=s.text)], reward=1.0,
-                   success=True, advantage=2.0, source="peer", info={"loss": "luffy"})
+    t = Trajectory(
+        turns=[Turn(s.prompt_ids, s.response_ids, s.logprobs, response_text=s.text)],
+        reward=1.0,
+        success=True,
+        advantage=2.0,
+        source="peer",
+        info={"loss": "luffy"},
+    )
     batch = RolloutBatch(groups=[Group("q", [t])], temperature=1.0)
     # by hand: token-mean of -p/(p + 0.1) * A with p the current token probability
     p = torch.exp(torch.tensor(s.logprobs))
@@ -200,10 +271,21 @@ def test_luffy_peer_tokens_loss_by_hand():
 
 def test_sgt_adds_an_nll_term_instead_of_replacing_groups(tmp_path):
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="sgt", sgt_weight=0.1)
-    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
-                            group_size=4, engine=EngineConfig(max_new_tokens=8))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                        enable_progress_bar=False, enable_model_summary=False)
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
     assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
@@ -212,11 +294,23 @@ def test_sgt_adds_an_nll_term_instead_of_replacing_groups(tmp_path):
 
 def test_hacpo_pools_every_prompt_with_capability_advantages(tmp_path):
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="hacpo", kl_coef=1e-3)
-    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
-                            group_size=4, engine=EngineConfig(max_new_tokens=8))
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
     cap = CaptureOrder()
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cap],
+    )
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
     assert float(m["graft/transferred_a_to_b"]) == 4 and float(m["graft/transferred_b_to_a"]) == 4
@@ -227,7 +321,9 @@ def test_hacpo_pools_every_prompt_with_capability_advantages(tmp_path):
 
 def test_hacpo_receive_by_hand():
     module, src, dst = _pair(mode="hacpo")
-    src_means = [sum(t.turns[0].logprobs) / len(t.turns[0].logprobs) for t in src.groups[0].trajectories]
+    src_means = [
+        sum(t.turns[0].logprobs) / len(t.turns[0].logprobs) for t in src.groups[0].trajectories
+    ]
     w = module.receive(src, dst, [0], module.b)
     g = dst.groups[0]
     assert w == [1.0] * 4 and [t.source for t in g.trajectories] == ["self"] * 4 + ["peer"] * 4
@@ -247,32 +343,83 @@ def test_checkpoint_cost_by_hand():
     # A peaked at step 10 (0.4 GPU-h spent by then), B at step 25 (1.1 GPU-h): the joint run
     # must reach both, so it costs 1.1 GPU-h (through step 25)
     c = checkpoint_costs({"a": (0.31, 10, 0.4), "b": (0.27, 25, 1.1)})
-    assert c == {"cost/ckpt_gpu_hours/a": 0.4, "cost/ckpt_gpu_hours/b": 1.1, "cost/joint_ckpt_gpu_hours": 1.1,
-                 "cost/joint_ckpt_step": 25.0}
+    assert c == {
+        "cost/ckpt_gpu_hours/a": 0.4,
+        "cost/ckpt_gpu_hours/b": 1.1,
+        "cost/joint_ckpt_gpu_hours": 1.1,
+        "cost/joint_ckpt_step": 25.0,
+    }
 
 
 def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
     run = tmp_path / "RUN"
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", SALVAGE_PROGRESS="0",
-               COLUMNS="200")
-    common = ["--config", str(ROOT / "configs/graft/math_tiny.yaml"), "--trainer.default_root_dir", str(run),
-              "--trainer.enable_progress_bar", "false",
-              "--data.init_args.val", "{source: 'reasoning_gym:basic_arithmetic', size: 2, name: arith}",
-              "--data.init_args.val_samples", "2", "--data.init_args.val_batch_size", "2"]
-    fit = subprocess.run([sys.executable, "-m", "salvage.cli", "fit", *common, "--trainer.max_steps", "2",
-                          "--trainer.val_check_interval", "1", "--trainer.check_val_every_n_epoch", "null"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        OMP_WAIT_POLICY="PASSIVE",
+        TOKENIZERS_PARALLELISM="false",
+        SALVAGE_PROGRESS="0",
+        COLUMNS="200",
+    )
+    common = [
+        "--config",
+        str(ROOT / "configs/graft/math_tiny.yaml"),
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.init_args.val",
+        "{source: 'reasoning_gym:basic_arithmetic', size: 2, name: arith}",
+        "--data.init_args.val_samples",
+        "2",
+        "--data.init_args.val_batch_size",
+        "2",
+    ]
+    fit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "salvage.cli",
+            "fit",
+            *common,
+            "--trainer.max_steps",
+            "2",
+            "--trainer.val_check_interval",
+            "1",
+            "--trainer.check_val_every_n_epoch",
+            "null",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
-    joint = [float(r["cost/joint_ckpt_gpu_hours"]) for r in rows if r.get("cost/joint_ckpt_gpu_hours")]
+    joint = [
+        float(r["cost/joint_ckpt_gpu_hours"]) for r in rows if r.get("cost/joint_ckpt_gpu_hours")
+    ]
     assert joint and all(j > 0 for j in joint)
-    test = subprocess.run([sys.executable, "-m", "salvage.cli", "test", *common, "--ckpt_path",
-                           str(run / "checkpoints" / "last.ckpt")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    test = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "salvage.cli",
+            "test",
+            *common,
+            "--ckpt_path",
+            str(run / "checkpoints" / "last.ckpt"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert test.returncode == 0, test.stderr[-3000:]
     out = test.stdout
     assert "checkpoint cost" in out and "joint (later of the two)" in out
-    table = out[out.index("checkpoint cost"):]
+    table = out[out.index("checkpoint cost") :]
     assert any(line.strip("│ ").startswith("a ") for line in table.splitlines())
     assert any(line.strip("│ ").startswith("b ") for line in table.splitlines())
 
@@ -297,10 +444,21 @@ def test_exchange_reports_progress_per_transferred_group(monkeypatch, tmp_path):
 
     monkeypatch.setattr(graft_mod, "stage", recorder)
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
-    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
-                            group_size=4, engine=EngineConfig(max_new_tokens=8))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                        enable_progress_bar=False, enable_model_summary=False)
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=data)
     assert seen == [{"description": "GRAFT exchange", "total": 2, "unit": "group", "done": 2}]
 
@@ -308,10 +466,21 @@ def test_exchange_reports_progress_per_transferred_group(monkeypatch, tmp_path):
 def test_rollout_metrics_describe_the_receivers_own_samples(tmp_path):
     """B solved nothing; after it receives A's group its rollout success must still be 0."""
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
-    data = ScriptedOutcomes(train=MathData(source="reasoning_gym:basic_arithmetic", size=8), prompts_per_step=4,
-                            group_size=4, engine=EngineConfig(max_new_tokens=8))
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False)
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=data)
     m = trainer.callback_metrics
     # scripted: A solved 1 of 16 (prompt 0), B 2 of 16 (prompt 1); each received the other's group

@@ -109,7 +109,9 @@ def test_pooled_advantages_eps():
 def test_luffy_shaping():
     # p = 0.9: f = 0.9 / 1.0 = 0.9 -> loss -0.9 A; p = 0.1: f = 0.5
     lp = torch.log(torch.tensor([0.9, 0.1]))
-    assert luffy_token_loss(lp, torch.tensor([1.0, 2.0])).tolist() == pytest.approx([-0.9, -1.0], abs=1e-6)
+    assert luffy_token_loss(lp, torch.tensor([1.0, 2.0])).tolist() == pytest.approx(
+        [-0.9, -1.0], abs=1e-6
+    )
 
 
 def test_sgt_pick_and_hacpo_pieces():
@@ -132,15 +134,20 @@ def test_capability_weighted_baseline_by_hand():
 
     # receiver [0, 0], peer [1, 0]; capabilities c_recv 0.0, c_peer 0.45 -> omega = 0.05 / 0.5 = 0.1
     # weights [1, 1, 0.1, 0.1]: b = 0.1 / 2.2 = 0.0454545; var = (2 b^2 + 0.1 (1-b)^2 + 0.1 b^2) / 2.2
-    a_own, a_peer = capability_advantages(torch.tensor([0.0, 0.0]), torch.tensor([1.0, 0.0]), 0.0, 0.45)
+    a_own, a_peer = capability_advantages(
+        torch.tensor([0.0, 0.0]), torch.tensor([1.0, 0.0]), 0.0, 0.45
+    )
     b = 0.1 / 2.2
     sigma = math.sqrt((2 * b**2 + 0.1 * (1 - b) ** 2 + 0.1 * b**2) / 2.2)
     assert a_peer[0].item() == pytest.approx((1 - b) / sigma, abs=1e-4)
     assert a_own[0].item() == pytest.approx(-b / sigma, abs=1e-4)
     # equal capabilities: omega = 1, the plain (population-std) pooled baseline
-    a_own, a_peer = capability_advantages(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), 0.5, 0.5)
-    assert a_own.tolist() == pytest.approx([1.0, -1.0], abs=1e-4) and a_peer.tolist() == pytest.approx([1.0, -1.0],
-                                                                                                        abs=1e-4)
+    a_own, a_peer = capability_advantages(
+        torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), 0.5, 0.5
+    )
+    assert a_own.tolist() == pytest.approx(
+        [1.0, -1.0], abs=1e-4
+    ) and a_peer.tolist() == pytest.approx([1.0, -1.0], abs=1e-4)
 
 
 def test_hacpo_token_loss_by_hand():
@@ -154,11 +161,14 @@ def test_hacpo_token_loss_by_hand():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
     low, high = hacpo_clip_range(0)
-    assert low == pytest.approx(0.8) and high == 1.0 and hacpo_clip_range(8)[0] == pytest.approx(1.0)
+    assert (
+        low == pytest.approx(0.8) and high == 1.0 and hacpo_clip_range(8)[0] == pytest.approx(1.0)
+    )
     loss, clipped = hacpo_token_loss(lp, mask, torch.tensor([-1.5, -1.0]), adv, low, high)
     assert torch.allclose(loss, torch.tensor([[-1.0, -1.0], [1.6, 0.0]]), atol=1e-4)
     assert clipped.tolist() == [[1.0, 1.0], [1.0, 0.0]]
     # inside the range: rho = e^-0.1 = 0.9048, A = 1 -> -0.9048, not clipped
-    loss, clipped = hacpo_token_loss(torch.tensor([[-1.1]]), torch.ones(1, 1), torch.tensor([-1.0]),
-                                     torch.ones(1, 1), low, high)
+    loss, clipped = hacpo_token_loss(
+        torch.tensor([[-1.1]]), torch.ones(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), low, high
+    )
     assert loss.item() == pytest.approx(-math.exp(-0.1), abs=1e-5) and clipped.item() == 0.0

@@ -76,8 +76,16 @@ def test_parquet_verl_layout_skips_empty_ground_truth(tmp_path):
     msgs = [{"role": "user", "content": "Find x. " + PROMPT_SUFFIX}]
     table = pa.Table.from_pylist(
         [
-            {"prompt": msgs, "reward_model": {"ground_truth": "7", "style": "rule"}, "level": "Level 1"},
-            {"prompt": msgs, "reward_model": {"ground_truth": "", "style": "rule"}, "level": "Level 2"},
+            {
+                "prompt": msgs,
+                "reward_model": {"ground_truth": "7", "style": "rule"},
+                "level": "Level 1",
+            },
+            {
+                "prompt": msgs,
+                "reward_model": {"ground_truth": "", "style": "rule"},
+                "level": "Level 2",
+            },
         ]
     )
     p = tmp_path / "train.parquet"
@@ -108,8 +116,14 @@ def test_reasoning_gym_tasks_are_verifiable_offline():
 
 @pytest.mark.parametrize(
     ("name", "n"),
-    [("math500.jsonl", 500), ("aime24.jsonl", 30), ("aime25.jsonl", 30), ("amc23.jsonl", 40),
-     ("minerva_math.jsonl", 272), ("math_train.parquet", 7498)],
+    [
+        ("math500.jsonl", 500),
+        ("aime24.jsonl", 30),
+        ("aime25.jsonl", 30),
+        ("amc23.jsonl", 40),
+        ("minerva_math.jsonl", 272),
+        ("math_train.parquet", 7498),
+    ],
 )
 def test_shared_math_files_load_as_they_are(name, n):
     p = shared_data(f"math/{name}")
@@ -129,10 +143,30 @@ def test_eval_harness_on_a_slice_of_each_benchmark_prints_the_table(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "test", "--config", "configs/grpo/math_tiny.yaml", "--config",
-         "configs/eval/math5_slice.yaml", "--data.init_args.val_samples", "2", "--data.init_args.engine.max_new_tokens",
-         "16", "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "salvage.cli",
+            "test",
+            "--config",
+            "configs/grpo/math_tiny.yaml",
+            "--config",
+            "configs/eval/math5_slice.yaml",
+            "--data.init_args.val_samples",
+            "2",
+            "--data.init_args.engine.max_new_tokens",
+            "16",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.replace("│", " ")
     for name in ("math500", "aime2024", "aime2025", "amc23", "minerva"):

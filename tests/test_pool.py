@@ -12,7 +12,9 @@ from salvage.envs.pool import EnvPool
 
 TASKS = make_env("scripted").list_tasks("train", num_tasks=4, length=3)
 HAS_RAY = importlib.util.find_spec("ray") is not None
-RAY = pytest.param("ray", marks=pytest.mark.skipif(not HAS_RAY, reason="the ray extra is not installed"))
+RAY = pytest.param(
+    "ray", marks=pytest.mark.skipif(not HAS_RAY, reason="the ray extra is not installed")
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,9 @@ def pool(backend: str, workers: int, timeout: float):
 LOST = {"process": "died", "ray": "actor lost"}
 
 
-@pytest.mark.parametrize("backend,workers", [("process", 0), ("process", 2), pytest.param("ray", 2, marks=RAY.marks)])
+@pytest.mark.parametrize(
+    "backend,workers", [("process", 0), ("process", 2), pytest.param("ray", 2, marks=RAY.marks)]
+)
 def test_pool_matches_a_plain_env(backend, workers, ray_session):
     with pool(backend, workers, 20) as p:
         res = p.reset([(e, TASKS[e], 0) for e in range(4)])
@@ -57,7 +61,9 @@ def test_pool_matches_a_plain_env(backend, workers, ray_session):
         assert [s.value["actions"] for s in snaps] == [[acts[0]], [acts[1]]]
 
 
-@pytest.mark.parametrize("backend,workers", [("process", 0), ("process", 2), pytest.param("ray", 2, marks=RAY.marks)])
+@pytest.mark.parametrize(
+    "backend,workers", [("process", 0), ("process", 2), pytest.param("ray", 2, marks=RAY.marks)]
+)
 def test_raising_env_fails_only_its_episode(backend, workers, ray_session):
     with pool(backend, workers, 20) as p:
         p.reset([(e, TASKS[e], 0) for e in range(4)])
@@ -76,8 +82,14 @@ def test_killed_worker_fails_one_episode_and_the_rest_are_restored(backend, ray_
         p.reset([(e, TASKS[e], 0) for e in range(4)])
         p.step([(e, TASKS[e]["solution"][0]) for e in range(4)])
         # episodes 0 and 2 share worker 0: episode 2 kills the process mid-batch
-        res = p.step([(0, TASKS[0]["solution"][1]), (2, "crash!"), (1, TASKS[1]["solution"][1]),
-                      (3, TASKS[3]["solution"][1])])
+        res = p.step(
+            [
+                (0, TASKS[0]["solution"][1]),
+                (2, "crash!"),
+                (1, TASKS[1]["solution"][1]),
+                (3, TASKS[3]["solution"][1]),
+            ]
+        )
         assert [r.ok for r in res] == [True, False, True, True]
         assert LOST[backend] in res[1].error and p.restarts == 1
         # episode 0 lived on the killed worker: restored by replay, it finishes and wins

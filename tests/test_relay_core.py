@@ -44,10 +44,14 @@ def drive(gen, teacher, student, replay=lambda req: True):
 
 
 def outs(*succ, n_actions=3):
-    return [Outcome(success=s, n_actions=n_actions, output_tokens=10, seed=i) for i, s in enumerate(succ)]
+    return [
+        Outcome(success=s, n_actions=n_actions, output_tokens=10, seed=i)
+        for i, s in enumerate(succ)
+    ]
 
 
 # ---------------------------------------------------------------- backbone and anchors
+
 
 def test_eligible_depths_use_remaining_budget():
     # H = 10, b_min = 3: t <= 7; a terminal episode of 5 actions has nonterminal s_0..s_4
@@ -69,12 +73,12 @@ def test_backbone_deepest_candidate_ties_to_lowest_id():
 @pytest.mark.parametrize(
     ("depths", "stride", "backtracks", "expected"),
     [
-        (range(0, 10), 2, 4, [9, 7, 5, 3, 1, 0]),   # 1 + 4 backtracks + root = 6 anchors
-        (range(0, 10), 3, 4, [9, 6, 3, 0]),         # root reached by backtracking
-        (range(0, 10), 1, 4, [9, 8, 7, 6, 5, 0]),   # root appended last
+        (range(0, 10), 2, 4, [9, 7, 5, 3, 1, 0]),  # 1 + 4 backtracks + root = 6 anchors
+        (range(0, 10), 3, 4, [9, 6, 3, 0]),  # root reached by backtracking
+        (range(0, 10), 1, 4, [9, 8, 7, 6, 5, 0]),  # root appended last
         (range(0, 10), 4, 0, [9, 0]),
-        ([0, 1, 2], 5, 4, [2, 0]),                  # no candidate a stride below: root only
-        ([0, 3, 4, 8], 3, 4, [8, 4, 0]),            # "deepest candidate with depth <= current - stride"
+        ([0, 1, 2], 5, 4, [2, 0]),  # no candidate a stride below: root only
+        ([0, 3, 4, 8], 3, 4, [8, 4, 0]),  # "deepest candidate with depth <= current - stride"
         ([0], 2, 4, [0]),
     ],
 )
@@ -90,14 +94,19 @@ def test_random_anchor_order_keeps_root_last():
 
 # ---------------------------------------------------------------- teacher recovery
 
+
 def test_teacher_stops_at_first_anchor_with_a_success_and_keeps_the_shortest():
     cfg = RelayConfig(teacher_attempts=2)
-    answers = {9: [Outcome(False), Outcome(False)],
-               7: [Outcome(True, n_actions=6, seed=0), Outcome(True, n_actions=4, seed=1)],
-               5: [Outcome(True, n_actions=1)]}
-    res, log = drive(relay_search(["x"] * 9, [9, 7, 5, 0], cfg, random.Random(0)),
-                     teacher=lambda r: answers[r.anchor],
-                     student=lambda r: outs(True, True))
+    answers = {
+        9: [Outcome(False), Outcome(False)],
+        7: [Outcome(True, n_actions=6, seed=0), Outcome(True, n_actions=4, seed=1)],
+        5: [Outcome(True, n_actions=1)],
+    }
+    res, log = drive(
+        relay_search(["x"] * 9, [9, 7, 5, 0], cfg, random.Random(0)),
+        teacher=lambda r: answers[r.anchor],
+        student=lambda r: outs(True, True),
+    )
     teacher_reqs = [r for r in log if isinstance(r, TeacherRequest)]
     assert [r.anchor for r in teacher_reqs] == [9, 7]
     assert res.anchor == 7 and res.L == 4 and res.recovery.seed == 1
@@ -109,8 +118,11 @@ def test_teacher_tie_keeps_lowest_attempt_and_caps_at_twelve():
     assert shortest_success([Outcome(True, 3, restored=False), Outcome(False)]) is None
     cfg = RelayConfig()
     anchors = anchor_schedule(range(30), 2, 4)
-    res, log = drive(relay_search(["x"] * 30, anchors, cfg, random.Random(0)),
-                     teacher=lambda r: [Outcome(False)] * len(r.seeds), student=lambda r: [])
+    res, log = drive(
+        relay_search(["x"] * 30, anchors, cfg, random.Random(0)),
+        teacher=lambda r: [Outcome(False)] * len(r.seeds),
+        student=lambda r: [],
+    )
     assert len(anchors) == 6 and res.teacher_attempts == 12 and not res.retained
     assert res.reason == "no teacher recovery from any anchor"
     assert not any(isinstance(r, StudentRequest) for r in log)
@@ -119,12 +131,16 @@ def test_teacher_tie_keeps_lowest_attempt_and_caps_at_twelve():
 def test_failed_restore_at_an_anchor_skips_it():
     cfg = RelayConfig()
     answers = {5: [Outcome(True, 2, restored=False)] * 2, 0: [Outcome(True, 2), Outcome(False)]}
-    res, _ = drive(relay_search(["x"] * 5, [5, 0], cfg, random.Random(0)),
-                   teacher=lambda r: answers[r.anchor], student=lambda r: outs(True, True))
+    res, _ = drive(
+        relay_search(["x"] * 5, [5, 0], cfg, random.Random(0)),
+        teacher=lambda r: answers[r.anchor],
+        student=lambda r: outs(True, True),
+    )
     assert res.anchor == 0 and res.teacher_attempts == 2  # restore failures are not attempts
 
 
 # ---------------------------------------------------------------- discovery
+
 
 def test_backward_jumps():
     assert backward_jumps(10) == [9, 8, 6, 2, 0]
@@ -141,14 +157,19 @@ def _search_with(L, student_ok, cfg=None, confirm_ok=True, replay_ok=True):
         if req.kind == "discovery":
             tested.append(req.j)
             return outs(*([student_ok(req.j)] * len(req.seeds)))
-        return [Outcome(confirm_ok, n_actions=5, output_tokens=7, seed=req.seeds[0]),
-                Outcome(confirm_ok, n_actions=3, output_tokens=9, seed=req.seeds[1]),
-                Outcome(confirm_ok, n_actions=3, output_tokens=8, seed=req.seeds[2]),
-                Outcome(False, n_actions=1, seed=req.seeds[3])]
+        return [
+            Outcome(confirm_ok, n_actions=5, output_tokens=7, seed=req.seeds[0]),
+            Outcome(confirm_ok, n_actions=3, output_tokens=9, seed=req.seeds[1]),
+            Outcome(confirm_ok, n_actions=3, output_tokens=8, seed=req.seeds[2]),
+            Outcome(False, n_actions=1, seed=req.seeds[3]),
+        ]
 
-    res, log = drive(relay_search(["x"] * 20, [0], cfg, random.Random(0)),
-                     teacher=lambda r: [Outcome(True, n_actions=L)] + [Outcome(False)] * (len(r.seeds) - 1),
-                     student=student, replay=lambda r: replay_ok)
+    res, log = drive(
+        relay_search(["x"] * 20, [0], cfg, random.Random(0)),
+        teacher=lambda r: [Outcome(True, n_actions=L)] + [Outcome(False)] * (len(r.seeds) - 1),
+        student=student,
+        replay=lambda r: replay_ok,
+    )
     return res, log, tested
 
 
@@ -185,7 +206,10 @@ def test_discovery_caps_at_budget_and_reaches_root():
     assert tested == [2, 1, 0] and res.j_early == 0 and res.discovery_rollouts == 6
     res, log, tested = _search_with(40, lambda j: True, cfg)
     assert tested == [39, 38, 36, 32]  # 4 tests x 2 = 8 rollouts
-    assert sum(len(r.seeds) for r in log if isinstance(r, StudentRequest) and r.kind == "discovery") <= 8
+    assert (
+        sum(len(r.seeds) for r in log if isinstance(r, StudentRequest) and r.kind == "discovery")
+        <= 8
+    )
 
 
 def test_last_discovery_test_gets_what_is_left_of_the_budget():
@@ -197,9 +221,12 @@ def test_last_discovery_test_gets_what_is_left_of_the_budget():
 
 # ---------------------------------------------------------------- confirmation, replay, handoff
 
+
 def test_confirmation_seeds_are_fresh_and_resume_tie_breaks():
     res, log, _ = _search_with(10, lambda j: j >= 5)
-    disc = {s for r in log if isinstance(r, StudentRequest) and r.kind == "discovery" for s in r.seeds}
+    disc = {
+        s for r in log if isinstance(r, StudentRequest) and r.kind == "discovery" for s in r.seeds
+    }
     conf = [r for r in log if isinstance(r, StudentRequest) and r.kind == "confirm"]
     assert len(conf) == 1 and conf[0].j == 6 and len(conf[0].seeds) == 4
     assert disc.isdisjoint(conf[0].seeds)
@@ -223,8 +250,11 @@ def test_random_verified_handoff_excludes_j_early():
     picks = set()
     for s in range(20):
         gen = relay_search(["x"] * 20, [0], cfg, random.Random(s))
-        res, _ = drive(gen, teacher=lambda r: [Outcome(True, n_actions=10), Outcome(False)],
-                       student=lambda r: outs(*([r.j >= 7] * len(r.seeds))))
+        res, _ = drive(
+            gen,
+            teacher=lambda r: [Outcome(True, n_actions=10), Outcome(False)],
+            student=lambda r: outs(*([r.j >= 7] * len(r.seeds))),
+        )
         assert res.j_early == 7 and res.j_star in {8, 9}
         picks.add(res.j_star)
     assert picks == {8, 9}
@@ -241,6 +271,7 @@ def test_no_handoff_keeps_the_whole_recovery_and_skips_search():
 
 
 # ---------------------------------------------------------------- pair and group selection
+
 
 def test_first_divergence():
     assert first_divergence(["a", "b", "c"], ["a", "x", "c"]) == 1

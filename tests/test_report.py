@@ -17,13 +17,19 @@ def _non_blank(png):
     img = mpimg.imread(png)
     rgb = img[..., :3]
     # a rendered plot has many pixels that are neither background white nor one flat colour
-    return float((rgb < 0.95).any(axis=-1).mean()), len({tuple(p) for p in rgb.reshape(-1, 3)[::97]})
+    return float((rgb < 0.95).any(axis=-1).mean()), len(
+        {tuple(p) for p in rgb.reshape(-1, 3)[::97]}
+    )
 
 
 def test_report_on_a_vhgpo_run(tmp_path):
     trainer, _, _ = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG)))
-    proc = subprocess.run([sys.executable, "-m", "salvage.cli", "report", str(tmp_path)], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "salvage.cli", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "report"
     for name in ("rewards.png", "zero_signal.png", "extra_tokens.png", "relays.png", "cost.png"):

@@ -33,9 +33,16 @@ class StopAt(L.Callback):
 
 
 def _trainer(tmp, steps, callbacks):
-    return L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp,
-                     callbacks=callbacks)
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp,
+        callbacks=callbacks,
+    )
 
 
 def _resume_equal(tmp_path, make, n=4):
@@ -45,7 +52,9 @@ def _resume_equal(tmp_path, make, n=4):
     t1.fit(m1, datamodule=d1)
 
     m2, d2, cb2 = make()
-    ck = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, save_last=True)
+    ck = ModelCheckpoint(
+        dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, save_last=True
+    )
     t2 = _trainer(tmp_path / "b", n, [*cb2, StopAt(n // 2), ck])
     t2.fit(m2, datamodule=d2)
     assert t2.global_step == n // 2
@@ -61,35 +70,66 @@ def _resume_equal(tmp_path, make, n=4):
 
 def test_grpo_resume_is_exact(tmp_path):
     def make():
-        module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-2, num_minibatches=2, micro_batch_size=8, kl_coef=0.05,
-                            lr_schedule="cosine", warmup_steps=1)
-        data = RLVRDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=12),
-                              prompts_per_step=4, group_size=4, engine=EngineConfig(max_new_tokens=12),
-                              reward=DigitFraction())
+        module = GRPOModule(
+            policy=PolicySpec("tiny"),
+            lr=1e-2,
+            num_minibatches=2,
+            micro_batch_size=8,
+            kl_coef=0.05,
+            lr_schedule="cosine",
+            warmup_steps=1,
+        )
+        data = RLVRDataModule(
+            train=MathData(source="reasoning_gym:basic_arithmetic", size=12),
+            prompts_per_step=4,
+            group_size=4,
+            engine=EngineConfig(max_new_tokens=12),
+            reward=DigitFraction(),
+        )
         return module, data, [CostTracker()]
 
-    (m1, t1, cb1), (m3, t3, cb3) = _resume_equal(tmp_path, make, n=4)  # 12 tasks / 4 = 3 per epoch: crosses one
+    (m1, t1, cb1), (m3, t3, cb3) = _resume_equal(
+        tmp_path, make, n=4
+    )  # 12 tasks / 4 = 3 per epoch: crosses one
     assert cb3[0].steps == cb1[0].steps == 4  # the cost tracker's step count carried over
-    assert t3.lr_scheduler_configs[0].scheduler.last_epoch == t1.lr_scheduler_configs[0].scheduler.last_epoch
+    assert (
+        t3.lr_scheduler_configs[0].scheduler.last_epoch
+        == t1.lr_scheduler_configs[0].scheduler.last_epoch
+    )
 
 
 def test_vhgpo_resume_is_exact_with_warm_start_and_relay_counters(tmp_path):
     def make():
         module = VHGPOModule(policy=PolicySpec("tiny"), lr=1e-3, micro_batch_size=8)
         data = ScriptedAgentData(
-            env=EnvSpec(name="scripted", kwargs={"max_steps": 8},
-                        train_tasks={"num_tasks": 4, "length": 5, "actions": ["a", "b", "c"]}),
-            max_turns=8, tasks_per_step=2, group_size=4,
+            env=EnvSpec(
+                name="scripted",
+                kwargs={"max_steps": 8},
+                train_tasks={"num_tasks": 4, "length": 5, "actions": ["a", "b", "c"]},
+            ),
+            max_turns=8,
+            tasks_per_step=2,
+            group_size=4,
         )
-        return module, data, [OracleSFT(episodes=4, steps=3, batch_size=4, lr=1e-2),
-                              VerifiedHandoff(relay=RelayConfig(**CFG), records=False)]
+        return (
+            module,
+            data,
+            [
+                OracleSFT(episodes=4, steps=3, batch_size=4, lr=1e-2),
+                VerifiedHandoff(relay=RelayConfig(**CFG), records=False),
+            ],
+        )
 
     (m1, t1, cb1), (m3, t3, cb3) = _resume_equal(tmp_path, make, n=4)
-    assert cb3[0].done and cb3[0].history == cb1[0].history  # the warm start ran once, before the split
+    assert (
+        cb3[0].done and cb3[0].history == cb1[0].history
+    )  # the warm start ran once, before the split
     assert cb3[1].acc.total == cb1[1].acc.total  # cumulative relay accounting and extra tokens
     assert cb1[1].acc.total["retained"] == 8  # 2 groups x 4 updates, all retained (scripted)
     ref1 = dict(m1.ref_model.named_parameters())
-    assert all(torch.equal(p, ref1[k]) for k, p in m3.ref_model.named_parameters())  # warm-started reference
+    assert all(
+        torch.equal(p, ref1[k]) for k, p in m3.ref_model.named_parameters()
+    )  # warm-started reference
 
 
 def test_graft_resume_is_exact_for_both_models(tmp_path):
@@ -98,8 +138,13 @@ def test_graft_resume_is_exact_for_both_models(tmp_path):
 
     def make():
         module = GRAFTModule(lr=1e-2, num_minibatches=2, micro_batch_size=8, gate=False)
-        data = GraftDataModule(train=MathData(source="reasoning_gym:basic_arithmetic", size=12), prompts_per_step=4,
-                               group_size=4, engine=EngineConfig(max_new_tokens=8), reward=DigitFraction())
+        data = GraftDataModule(
+            train=MathData(source="reasoning_gym:basic_arithmetic", size=12),
+            prompts_per_step=4,
+            group_size=4,
+            engine=EngineConfig(max_new_tokens=8),
+            reward=DigitFraction(),
+        )
         return module, data, [CostTracker()]
 
     (m1, t1, _), (m3, t3, _) = _resume_equal(tmp_path, make, n=4)  # compares model A via .policy

@@ -20,12 +20,26 @@ DATA = MathData(source="reasoning_gym:basic_arithmetic", size=8, seed=0)
 
 
 def _fit(tmp, callbacks, steps=1, data_seed=0, model_seed=0):
-    module = GRPOModule(policy=PolicySpec("tiny", seed=model_seed), lr=1e-3, num_minibatches=2, micro_batch_size=8)
-    data = RLVRDataModule(train=DATA, prompts_per_step=2, group_size=4, engine=EngineConfig(max_new_tokens=8),
-                          seed=data_seed)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=CSVLogger(tmp, name=""),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp, callbacks=callbacks)
+    module = GRPOModule(
+        policy=PolicySpec("tiny", seed=model_seed), lr=1e-3, num_minibatches=2, micro_batch_size=8
+    )
+    data = RLVRDataModule(
+        train=DATA,
+        prompts_per_step=2,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+        seed=data_seed,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=CSVLogger(tmp, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+        callbacks=callbacks,
+    )
     trainer.fit(module, datamodule=data)
     return trainer
 
@@ -56,12 +70,26 @@ def test_stored_responses_are_re_verified_and_transferred(tmp_path):
     prompts = []
     for i in step0:
         t = tasks[i]
-        right = {"text": f"so \\boxed{{{t.answer}}}", "logprobs": [-0.5, -0.5], "finish_reason": "stop", "reward": 0.0}
-        wrong = {"text": "\\boxed{123456}", "logprobs": [-0.5, -0.5], "finish_reason": "stop", "reward": 0.0}
-        prompts.append({"task_id": t.id, "answer": t.answer, "responses": [right, wrong, right, wrong]})
+        right = {
+            "text": f"so \\boxed{{{t.answer}}}",
+            "logprobs": [-0.5, -0.5],
+            "finish_reason": "stop",
+            "reward": 0.0,
+        }
+        wrong = {
+            "text": "\\boxed{123456}",
+            "logprobs": [-0.5, -0.5],
+            "finish_reason": "stop",
+            "reward": 0.0,
+        }
+        prompts.append(
+            {"task_id": t.id, "answer": t.answer, "responses": [right, wrong, right, wrong]}
+        )
     d = tmp_path / "log"
     d.mkdir()
-    (d / "step_000000.json").write_text(json.dumps({"step": 0, "temperature": 1.0, "prompts": prompts}))
+    (d / "step_000000.json").write_text(
+        json.dumps({"step": 0, "temperature": 1.0, "prompts": prompts})
+    )
     peer = StoredPeer(str(d), gate=False)
     trainer = _fit(tmp_path / "recv", [peer], steps=1)
     m = trainer.callback_metrics

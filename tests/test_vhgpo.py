@@ -47,8 +47,13 @@ def test_pair_loss_hand_values():
     # p_theta = (-1) - (-2) = 1, p_ref = 0: -log sigmoid(0.1) = 0.644397
     # p_theta = (-2) - (-1) = -1, p_ref = 0: -log sigmoid(-0.1) = 0.744397
     # p_theta = 1, p_ref = 1: -log sigmoid(0) = log 2
-    got = pair_loss(torch.tensor([-1.0, -2.0, -1.0]), torch.tensor([-2.0, -1.0, -2.0]),
-                    torch.tensor([-1.5, 0.0, -1.0]), torch.tensor([-1.5, 0.0, -2.0]), beta=0.1)
+    got = pair_loss(
+        torch.tensor([-1.0, -2.0, -1.0]),
+        torch.tensor([-2.0, -1.0, -2.0]),
+        torch.tensor([-1.5, 0.0, -1.0]),
+        torch.tensor([-1.5, 0.0, -2.0]),
+        beta=0.1,
+    )
     assert got.tolist() == pytest.approx([0.644397, 0.744397, math.log(2)], abs=1e-6)
 
 
@@ -57,14 +62,18 @@ def test_completion_loss_is_negative_mean_score():
 
 
 def test_module_aux_losses_match_direct_computation_and_omit_empty_terms():
-    module = VHGPOModule(policy=PolicySpec("tiny"), lambda_pair=1.0, lambda_bridge=1.0, lambda_resume=0.5)
+    module = VHGPOModule(
+        policy=PolicySpec("tiny"), lambda_pair=1.0, lambda_bridge=1.0, lambda_resume=0.5
+    )
     module.configure_model()
     tok = module.tokenizer
     enc = lambda s: list(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     b1 = SeqTarget(enc("room with coin"), enc("<action>take coin</action>"))
     b2 = SeqTarget(enc("a kitchen"), enc("<action>look around</action>"))
     r1 = SeqTarget(enc("step 3"), enc("<action>move east</action>"))
-    batch = RolloutBatch(groups=[], extras={"relays": [RelayData(bridge=[b1, b2], resume=[r1], pair=None)]})
+    batch = RolloutBatch(
+        groups=[], extras={"relays": [RelayData(bridge=[b1, b2], resume=[r1], pair=None)]}
+    )
     module.aux_backward(batch)
     values = module.step_metrics.compute()
 
@@ -77,7 +86,9 @@ def test_module_aux_losses_match_direct_computation_and_omit_empty_terms():
 
     assert values["loss/bridge"] == pytest.approx(-(score(b1) + score(b2)) / 2, abs=1e-5)
     assert values["loss/resume"] == pytest.approx(-score(r1), abs=1e-5)
-    assert values["loss/aux"] == pytest.approx(values["loss/bridge"] + 0.5 * values["loss/resume"], abs=1e-5)
+    assert values["loss/aux"] == pytest.approx(
+        values["loss/bridge"] + 0.5 * values["loss/resume"], abs=1e-5
+    )
     assert "loss/pair" not in values  # no pair: the term is omitted, not a zero
     assert all(p.grad is not None for p in module.policy.parameters() if p.requires_grad)
 
@@ -91,7 +102,9 @@ def test_pair_term_at_reference_is_log2_and_lambda_zero_omits():
     chosen = SeqTarget(h, enc("<action>take coin</action>"), None)
     rejected = SeqTarget(h, enc("<action>look around</action>"), None)
     b = SeqTarget(h, enc("<action>take coin</action>"))
-    batch = RolloutBatch(groups=[], extras={"relays": [RelayData(bridge=[b], resume=[], pair=(chosen, rejected))]})
+    batch = RolloutBatch(
+        groups=[], extras={"relays": [RelayData(bridge=[b], resume=[], pair=(chosen, rejected))]}
+    )
     module.aux_backward(batch)
     values = module.step_metrics.compute()
     # policy == reference (the initial student): p_theta - p_ref = 0 -> -log sigmoid(0) = log 2
@@ -142,16 +155,32 @@ class Capture(L.Callback):
 def _run(tmp_path, rescue, **module_kw):
     module = VHGPOModule(policy=PolicySpec("tiny"), lr=1e-3, micro_batch_size=8, **module_kw)
     data = ScriptedAgentData(
-        env=EnvSpec(name="scripted", kwargs={"max_steps": 8},
-                    train_tasks={"num_tasks": 2, "length": 5, "actions": ["a", "b", "c"]}),
-        agent=AgentFormat(history_k=1), max_turns=8, tasks_per_step=2, group_size=4,
+        env=EnvSpec(
+            name="scripted",
+            kwargs={"max_steps": 8},
+            train_tasks={"num_tasks": 2, "length": 5, "actions": ["a", "b", "c"]},
+        ),
+        agent=AgentFormat(history_k=1),
+        max_turns=8,
+        tasks_per_step=2,
+        group_size=4,
     )
     cap = Capture()
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=CSVLogger(tmp_path, name=""),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[rescue, cap, CostTracker()], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[rescue, cap, CostTracker()],
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, datamodule=data)
-    recs = [json.loads(line) for line in Path(trainer.log_dir, "relays.jsonl").read_text().splitlines()]
+    recs = [
+        json.loads(line) for line in Path(trainer.log_dir, "relays.jsonl").read_text().splitlines()
+    ]
     return trainer, cap, recs
 
 
@@ -211,7 +240,9 @@ def test_no_handoff_keeps_the_whole_recovery(tmp_path):
 
 
 def test_extra_student_rollouts_grow_the_group_without_relays(tmp_path):
-    trainer, cap, recs = _run(tmp_path, ExtraStudentRollouts(relay=RelayConfig(**CFG), extra_rollouts=4))
+    trainer, cap, recs = _run(
+        tmp_path, ExtraStudentRollouts(relay=RelayConfig(**CFG), extra_rollouts=4)
+    )
     assert [len(g.trajectories) for g in cap.batch.groups] == [8, 8]
     assert cap.relays == [] and all(r["extra_rollouts"] == 4 for r in recs)
     assert float(trainer.callback_metrics["cost/extra_tokens_student"]) > 0
@@ -237,28 +268,60 @@ def test_cli_twx_tiny_retains_relays(tmp_path):
     import subprocess
     import sys
 
-    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is not installed")
+    pytest.importorskip(
+        "textworld_express", reason="textworld-express (extra twx) is not installed"
+    )
     if shutil.which("java") is None:
         pytest.skip("TextWorld-Express needs Java")
     root = Path(__file__).resolve().parents[1]
     run = tmp_path / "RUN"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "fit", "--config", str(root / "configs/vhgpo/twx_tiny.yaml"),
-         "--trainer.max_steps", "3", "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar",
-         "false"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "salvage.cli",
+            "fit",
+            "--config",
+            str(root / "configs/vhgpo/twx_tiny.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.default_root_dir",
+            str(run),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
     assert len(rows) == 3
     assert max(float(r["relay/retained"]) for r in rows) > 0
     assert float(rows[0]["sft/loss_last"]) < float(rows[0]["sft/loss_first"])
-    recs = [json.loads(x) for x in next(run.glob("version_0/relays.jsonl")).read_text().splitlines()]
+    recs = [
+        json.loads(x) for x in next(run.glob("version_0/relays.jsonl")).read_text().splitlines()
+    ]
     kept = [r for r in recs if r["retained"]]
     assert kept and all(r["j_star"] < r["L"] for r in kept)
     assert float(rows[-1]["cost/extra_token_ratio"]) > 0
     # and `salvage report` renders that run directory
-    proc = subprocess.run([sys.executable, "-m", "salvage.cli", "report", str(run)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "salvage.cli", "report", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for name in ("rewards.png", "zero_signal.png", "extra_tokens.png", "relays.png", "cost.png", "report.md"):
+    for name in (
+        "rewards.png",
+        "zero_signal.png",
+        "extra_tokens.png",
+        "relays.png",
+        "cost.png",
+        "report.md",
+    ):
         assert (run / "report" / name).stat().st_size > 1000, name

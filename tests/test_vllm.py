@@ -42,17 +42,27 @@ def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny):
 
     model, tok = tiny
     model = model.cuda()
-    eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=16, stop=["</action>"], temperature=1.0), model, tok)
-    prompts = [tok("go north", add_special_tokens=False)["input_ids"], tok("take coin", add_special_tokens=False)["input_ids"]]
+    eng = build_engine(
+        EngineConfig(backend="vllm", max_new_tokens=16, stop=["</action>"], temperature=1.0),
+        model,
+        tok,
+    )
+    prompts = [
+        tok("go north", add_special_tokens=False)["input_ids"],
+        tok("take coin", add_special_tokens=False)["input_ids"],
+    ]
     eng.prepare()
     out = eng.generate(prompts, n=3, seed=1)
     eng.release()
     assert [len(g) for g in out] == [3, 3]
     flat = [s for g in out for s in g]
-    ref = response_logprobs(model, [s.prompt_ids for s in flat], [s.response_ids for s in flat], int(tok.pad_token_id))
+    ref = response_logprobs(
+        model, [s.prompt_ids for s in flat], [s.response_ids for s in flat], int(tok.pad_token_id)
+    )
     for s, lp in zip(flat, ref, strict=True):
-        assert len(s.logprobs) == len(s.response_ids) and torch.allclose(torch.tensor(s.logprobs), torch.tensor(lp),
-                                                                          atol=1e-4)
+        assert len(s.logprobs) == len(s.response_ids) and torch.allclose(
+            torch.tensor(s.logprobs), torch.tensor(lp), atol=1e-4
+        )
 
 
 @pytest.mark.vllm

@@ -24,7 +24,9 @@ from salvage.rollout.agent import AgentRunner, OraclePolicy, Start
 from salvage.types import Group, RolloutBatch, Trajectory
 
 for _mod in ("bm25s", "Stemmer", "rapidfuzz"):
-    pytest.importorskip(_mod, reason="the webshop extra (bm25s, PyStemmer, rapidfuzz) is not installed")
+    pytest.importorskip(
+        _mod, reason="the webshop extra (bm25s, PyStemmer, rapidfuzz) is not installed"
+    )
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,17 +42,26 @@ def _tasks(data, split="train", **kw):
 
 # ---------------------------------------------------------------------- the score, by hand
 GOAL = {
-    "asin": "B000000001", "query": "shampoo", "name": "Lumora Tea Tree Shampoo for Dry Hair",
+    "asin": "B000000001",
+    "query": "shampoo",
+    "name": "Lumora Tea Tree Shampoo for Dry Hair",
     "product_category": "Beauty & Personal Care › Hair Care › Shampoo & Conditioner › Shampoos",
-    "attributes": ["sulfate free", "tea tree", "dry hair"], "goal_options": ["lavender", "travel bottle"],
+    "attributes": ["sulfate free", "tea tree", "dry hair"],
+    "goal_options": ["lavender", "travel bottle"],
     "price_upper": 30.0,
 }
 
 
 def _product(**over):
-    p = {"query": "shampoo", "name": GOAL["name"], "Title": GOAL["name"],
-         "product_category": GOAL["product_category"], "Attributes": ["sulfate free", "tea tree oil", "dry hair"],
-         "BulletPoints": ["Gentle formula"], "Description": "A gentle everyday shampoo."}
+    p = {
+        "query": "shampoo",
+        "name": GOAL["name"],
+        "Title": GOAL["name"],
+        "product_category": GOAL["product_category"],
+        "Attributes": ["sulfate free", "tea tree oil", "dry hair"],
+        "BulletPoints": ["Gentle formula"],
+        "Description": "A gentle everyday shampoo.",
+    }
     p.update(over)
     return p
 
@@ -62,7 +73,12 @@ def test_goal_product_with_goal_options_within_price_scores_one():
     # 3 attributes ("tea tree" vs "tea tree oil": its tokens are a subset -> token_set_ratio 100 > 85),
     # 2 options, price 19.99 <= 30: s = 1.0 * (3 + 2 + 1) / (3 + 2 + 1) = 1
     s, info = webshop_score(_product(), GOAL, 19.99, GOAL_OPTIONS)
-    assert s == 1.0 and info["r_type"] == 1.0 and info["attr_matches"] == 3 and info["option_matches"] == 2
+    assert (
+        s == 1.0
+        and info["r_type"] == 1.0
+        and info["attr_matches"] == 3
+        and info["option_matches"] == 2
+    )
 
 
 def test_each_missing_term_costs_one_sixth():
@@ -72,8 +88,11 @@ def test_each_missing_term_costs_one_sixth():
     # an option left unchosen counts the same
     assert webshop_score(_product(), GOAL, 19.99, {"scent": "lavender"})[0] == pytest.approx(5 / 6)
     # missing attribute: "dry hair" neither among the attributes nor in title / features / description
-    no_dry = _product(Attributes=["sulfate free", "tea tree"], name="Lumora Tea Tree Shampoo",
-                      Title="Lumora Tea Tree Shampoo")
+    no_dry = _product(
+        Attributes=["sulfate free", "tea tree"],
+        name="Lumora Tea Tree Shampoo",
+        Title="Lumora Tea Tree Shampoo",
+    )
     assert webshop_score(no_dry, GOAL, 19.99, GOAL_OPTIONS)[0] == pytest.approx(5 / 6)
     # ... but found in the description it counts: back to 6 / 6
     described = dict(no_dry, Description="Made for dry hair.")
@@ -89,18 +108,28 @@ def test_wrong_product_type_scales_the_score():
     assert title_words(GOAL["name"]) == {"lumora", "tea", "tree", "shampoo", "dry", "hair"}
     # another query, 1 shared category level (< 2), 1 of 6 title words (0.167: >= 0.1, not > 0.2)
     # -> no match -> r_type 0.5; everything else matches: s = 0.5 * 6 / 6
-    dryer = _product(query="hair dryer", name="Kestrel Hair Dryer Brush", Title="Kestrel Hair Dryer Brush",
-                     product_category="Beauty & Personal Care › Tools & Accessories › Hair Dryers")
+    dryer = _product(
+        query="hair dryer",
+        name="Kestrel Hair Dryer Brush",
+        Title="Kestrel Hair Dryer Brush",
+        product_category="Beauty & Personal Care › Tools & Accessories › Hair Dryers",
+    )
     s, info = webshop_score(dryer, GOAL, 19.99, GOAL_OPTIONS)
     assert (info["query_match"], info["category_match"]) == (False, False)
     assert info["title_score"] == pytest.approx(1 / 6) and info["r_type"] == 0.5 and s == 0.5
     # the same product found by the goal's query keeps r_type 1 (query match rescues it)
     assert webshop_score(dict(dryer, query="shampoo"), GOAL, 19.99, GOAL_OPTIONS)[0] == 1.0
     # 1 of 11 title words (0.09 < 0.1) -> r_type 0.1; none -> 0
-    long_goal = dict(GOAL, name="Lumora Tea Tree Shampoo Dry Hair Argan Oil Scalp Care Salon Formula")
+    long_goal = dict(
+        GOAL, name="Lumora Tea Tree Shampoo Dry Hair Argan Oil Scalp Care Salon Formula"
+    )
     assert webshop_score(dryer, long_goal, 19.99, GOAL_OPTIONS)[1]["r_type"] == 0.1
-    desk = _product(query="desk", name="Oakmere Standing Desk", Title="Oakmere Standing Desk",
-                    product_category="Home & Kitchen › Furniture › Desks")
+    desk = _product(
+        query="desk",
+        name="Oakmere Standing Desk",
+        Title="Oakmere Standing Desk",
+        product_category="Home & Kitchen › Furniture › Desks",
+    )
     assert webshop_score(desk, GOAL, 19.99, GOAL_OPTIONS)[0] == 0.0
 
 
@@ -112,31 +141,58 @@ def test_colour_normalisation_and_fuzzy_rule_as_the_original():
     assert info["option_matches"] == 1 and s == 1.0  # (3 + 1 + 1) / 5
     assert fuzzy_ratio("Tea-Tree!", "tea tree") == 100 and fuzzy_ratio("", "x") == 0
     # no goal options: denominator 3 + 0 + 1
-    assert webshop_score(_product(), dict(GOAL, goal_options=[]), 99.0, {})[0] == pytest.approx(3 / 4)
+    assert webshop_score(_product(), dict(GOAL, goal_options=[]), 99.0, {})[0] == pytest.approx(
+        3 / 4
+    )
 
 
 # ---------------------------------------------------------------------- data files
 def test_generator_writes_official_files_that_the_loader_reads(tmp_path, data):
     a, b = write_catalogue(tmp_path / "a", seed=0), write_catalogue(tmp_path / "b", seed=1)
-    names = ["items_shuffle_1000.json", "items_ins_v2_1000.json", "items_human_ins.json", "reviews.json"]
+    names = [
+        "items_shuffle_1000.json",
+        "items_ins_v2_1000.json",
+        "items_human_ins.json",
+        "reviews.json",
+    ]
     assert sorted(p.name for p in a.iterdir()) == sorted(names)
-    assert (a / names[0]).read_bytes() == (Path(data) / names[0]).read_bytes()  # deterministic in the seed
+    assert (a / names[0]).read_bytes() == (
+        Path(data) / names[0]
+    ).read_bytes()  # deterministic in the seed
     assert (a / names[0]).read_bytes() != (b / names[0]).read_bytes()
     items = json.loads((a / names[0]).read_text())
     human = json.loads((a / names[2]).read_text())
     assert len(items) == 200 and sum(len(v) for v in human.values()) == 50
-    assert {"asin", "name", "category", "query", "product_category", "full_description", "small_description",
-            "pricing", "customization_options", "images"} <= set(items[0])
-    assert {"instruction", "instruction_attributes", "instruction_options"} <= set(next(iter(human.values()))[0])
+    assert {
+        "asin",
+        "name",
+        "category",
+        "query",
+        "product_category",
+        "full_description",
+        "small_description",
+        "pricing",
+        "customization_options",
+        "images",
+    } <= set(items[0])
+    assert {"instruction", "instruction_attributes", "instruction_options"} <= set(
+        next(iter(human.values()))[0]
+    )
     train, val, test = _tasks(data), _tasks(data, "val"), _tasks(data, "test")
     assert len(train) == 40 and len(val) == len(test) == 10
-    assert [t["goal"] for t in val] == [t["goal"] for t in test]  # val and test: the same evaluation goals
-    assert {t["goal_index"] for t in val} == set(range(10)) and {t["goal_index"] for t in train} == set(range(10, 50))
+    assert [t["goal"] for t in val] == [
+        t["goal"] for t in test
+    ]  # val and test: the same evaluation goals
+    assert {t["goal_index"] for t in val} == set(range(10)) and {
+        t["goal_index"] for t in train
+    } == set(range(10, 50))
     by_asin = {p["asin"]: p for p in items}
     for t in train + val:
         g = t["goal"]
         assert g["asin"] in by_asin and t["family"] == by_asin[g["asin"]]["category"]
-        assert g["instruction_text"].endswith(f", and price lower than {g['price_upper']:.2f} dollars")
+        assert g["instruction_text"].endswith(
+            f", and price lower than {g['price_upper']:.2f} dollars"
+        )
     # goal order: human goals in product order, shuffled with random.seed(233) (as the original)
     order = [p["asin"] for p in items if p["asin"] in human]
     random.Random(233).shuffle(order)
@@ -159,7 +215,9 @@ def test_missing_data_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="items_human_ins.json"):
         WebShopEnv.list_tasks("train", data_dir=str(tmp_path / "x"))
     with pytest.raises(ValueError, match="train split is empty"):
-        WebShopEnv.list_tasks("train", data_dir=str(write_catalogue(tmp_path / "y")))  # 50 goals < 500
+        WebShopEnv.list_tasks(
+            "train", data_dir=str(write_catalogue(tmp_path / "y"))
+        )  # 50 goals < 500
 
 
 # ---------------------------------------------------------------------- pages and actions
@@ -169,16 +227,25 @@ def test_pages_actions_and_invalid_actions(data):
     obs, info = env.reset(task)
     instr = task["goal"]["instruction_text"]
     assert obs == f"WebShop [SEP] Instruction: [SEP] {instr} [SEP] Search"
-    assert info["admissible"] == ["search[<your query>]"] and info["score"] == 0.0 and not info["won"]
+    assert (
+        info["admissible"] == ["search[<your query>]"] and info["score"] == 0.0 and not info["won"]
+    )
     for bad in ("click[search]", "buy it", "click[next >]", "search[]"):
         res = env.step(bad)
         assert res.observation == obs and res.info["invalid_action"] and not res.done
     res = env.step("search[black]")  # many products come in black: several pages of results
     page1 = res.observation
-    assert page1.startswith(f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] Page 1 (Total results: 50)")
-    asins = [a[len("click["):-1] for a in res.info["admissible"] if a.startswith("click[b0")]
-    assert len(asins) == 10 and res.info["admissible"][:2] == ["click[back to search]", "click[next >]"]
-    assert env.step("search[shampoo]").info["invalid_action"]  # the search bar is on the search page only
+    assert page1.startswith(
+        f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] Page 1 (Total results: 50)"
+    )
+    asins = [a[len("click[") : -1] for a in res.info["admissible"] if a.startswith("click[b0")]
+    assert len(asins) == 10 and res.info["admissible"][:2] == [
+        "click[back to search]",
+        "click[next >]",
+    ]
+    assert env.step("search[shampoo]").info[
+        "invalid_action"
+    ]  # the search bar is on the search page only
     res = env.step("click[next >]")
     assert "Page 2 (Total results: 50) [SEP] < Prev [SEP] Next >" in res.observation
     assert "click[< prev]" in res.info["admissible"] and asins[0].upper() not in res.observation
@@ -188,17 +255,26 @@ def test_pages_actions_and_invalid_actions(data):
     product = json.loads((Path(data) / "items_shuffle_1000.json").read_text())
     p = next(q for q in product if q["asin"] == asins[0].upper())
     assert f"[SEP] {p['name']} [SEP] Price: $" in item and item.endswith(
-        "[SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now")
+        "[SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now"
+    )
     adm = res.info["admissible"]
-    assert adm[:6] == ["click[back to search]", "click[< prev]", "click[description]", "click[features]",
-                       "click[reviews]", "click[buy now]"]
-    value = adm[6][len("click["):-1]
+    assert adm[:6] == [
+        "click[back to search]",
+        "click[< prev]",
+        "click[description]",
+        "click[features]",
+        "click[reviews]",
+        "click[buy now]",
+    ]
+    value = adm[6][len("click[") : -1]
     res = env.step(f"click[{value}]")
     assert f"< Prev [SEP] You have clicked {value}. [SEP]" in res.observation
     chosen = res.observation
     res = env.step("click[description]")
     assert res.observation.endswith(p["full_description"]) and res.info["admissible"] == [
-        "click[back to search]", "click[< prev]"]
+        "click[back to search]",
+        "click[< prev]",
+    ]
     assert env.step("click[< prev]").observation == chosen  # the sub-page keeps the chosen option
     assert env.step("click[features]").observation.endswith(" [SEP] ".join(p["small_description"]))
     env.step("click[< prev]")
@@ -226,7 +302,10 @@ def test_buying_in_the_environment_scores_as_worked_out(data):
     n = len(g["attributes"]) + len(g["goal_options"]) + 1
     res = _buy(env, task, g["asin"], g["goal_options"])
     assert res.done and res.info["won"] and res.info["score"] == 1.0 == res.reward
-    assert "Your score (min 0.0, max 1.0) [SEP] 1.0" in res.observation and res.info["admissible"] == []
+    assert (
+        "Your score (min 0.0, max 1.0) [SEP] 1.0" in res.observation
+        and res.info["admissible"] == []
+    )
     # one goal option swapped for another value of its group: one match fewer, (n - 1) / n
     options = env._cat.by_asin[g["asin"]]["options"]
     group = next(k for k, vs in options.items() if g["goal_options"][0] in vs)
@@ -235,7 +314,11 @@ def test_buying_in_the_environment_scores_as_worked_out(data):
     assert res.info["score"] == pytest.approx((n - 1) / n) and not res.info["won"]
     # a product of another category whose title shares no type word: r_type 0, s = 0
     want = title_words(g["name"])
-    wrong = next(p for p in env._cat.products if p["category"] != g["category"] and not title_words(p["name"]) & want)
+    wrong = next(
+        p
+        for p in env._cat.products
+        if p["category"] != g["category"] and not title_words(p["name"]) & want
+    )
     res = _buy(env, task, wrong["asin"], [])
     assert res.done and res.info["score"] == 0.0 and res.info["reward_info"]["r_type"] == 0.0
 
@@ -273,8 +356,14 @@ def test_expert_wins_every_goal_within_h_and_recovers_from_detours(data):
     env.reset(tasks[0])
     env.step("search[black]")
     adm = env.step("click[next >]").info["admissible"]
-    wrong = next(a for a in adm if a.startswith("click[b0") and a != f"click[{tasks[0]['goal']['asin'].lower()}]")
-    res, snaps = _expert_episode(env, tasks[0], ["search[black]", "click[next >]", wrong, "click[description]"])
+    wrong = next(
+        a
+        for a in adm
+        if a.startswith("click[b0") and a != f"click[{tasks[0]['goal']['asin'].lower()}]"
+    )
+    res, snaps = _expert_episode(
+        env, tasks[0], ["search[black]", "click[next >]", wrong, "click[description]"]
+    )
     assert res.info["won"] and len(snaps) - 1 <= 15
     assert snaps[-1]["actions"][4:7] == ["click[< prev]", "click[< prev]", "click[back to search]"]
 
@@ -289,17 +378,23 @@ def test_restore_verifies_at_every_depth_and_rejects_tampering(data):
         assert len(s["actions"]) == d and fresh.restore(s) == s["observation"] and fresh.depth == d
     assert fresh.info["won"] and fresh.info["score"] == 1.0
     # the expert chose an option at depth k; another value of that group reaches another page
-    k = next(i for i, a in enumerate(snaps[-1]["actions"]) if a[6:-1] in task["goal"]["goal_options"])
+    k = next(
+        i for i, a in enumerate(snaps[-1]["actions"]) if a[6:-1] in task["goal"]["goal_options"]
+    )
     opts = env._cat.by_asin[task["goal"]["asin"]]["options"]
     chosen = snaps[-1]["actions"][k][6:-1]
     other = next(v for vs in opts.values() if chosen in vs for v in vs if v != chosen)
-    bad = dict(snaps[k + 1], actions=snaps[k + 1]["actions"][:-1] + [f"click[{other}]"], digest=None)
+    bad = dict(
+        snaps[k + 1], actions=snaps[k + 1]["actions"][:-1] + [f"click[{other}]"], digest=None
+    )
     with pytest.raises(RestoreError, match="does not reproduce"):
         fresh.restore(bad)
     with pytest.raises(RestoreError, match="digest"):
         fresh.restore(dict(snaps[2], observation="forged"))
     with pytest.raises(RestoreError, match="replay ended"):
-        fresh.restore(dict(snaps[-1], actions=snaps[-1]["actions"] + ["click[buy now]"], digest=None))
+        fresh.restore(
+            dict(snaps[-1], actions=snaps[-1]["actions"] + ["click[buy now]"], digest=None)
+        )
 
 
 def test_oracle_policy_through_the_runner_earns_the_training_reward(data):
@@ -320,7 +415,10 @@ def test_score_metrics_are_100_x_mean_and_100_x_fraction_of_ones():
         def log(self, key, value, **kw):
             logged[key] = (value, kw["batch_size"])
 
-    trajs = [Trajectory(turns=[], reward=0.0, success=s == 1.0, info={"score": s}) for s in (1.0, 0.5, 0.0, 1.0)]
+    trajs = [
+        Trajectory(turns=[], reward=0.0, success=s == 1.0, info={"score": s})
+        for s in (1.0, 0.5, 0.0, 1.0)
+    ]
     batch = RolloutBatch(groups=[Group(task_id="t", trajectories=trajs, task={})])
     EnvScoreMetrics("webshop").on_test_batch_end(None, Module(), None, batch, 0)
     assert logged == {"eval/webshop_score": (62.5, 4), "eval/webshop_success": (50.0, 4)}
@@ -328,20 +426,44 @@ def test_score_metrics_are_100_x_mean_and_100_x_fraction_of_ones():
 
 # ---------------------------------------------------------------------- CLI on the synthetic catalogue
 def test_cli_fit_two_steps_and_test_on_the_synthetic_catalogue(tmp_path):
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-               SALVAGE_CACHE=str(tmp_path / "cache"))  # a fresh machine: the catalogue is written on first use
+    env = dict(
+        os.environ,
+        OMP_WAIT_POLICY="PASSIVE",
+        WANDB_MODE="offline",
+        TOKENIZERS_PARALLELISM="false",
+        SALVAGE_CACHE=str(tmp_path / "cache"),
+    )  # a fresh machine: the catalogue is written on first use
     env.pop("WEBSHOP_DATA", None)
     run = tmp_path / "RUN"
-    cfg = [sys.executable, "-m", "salvage.cli", "--config", str(ROOT / "configs/agent/webshop_tiny.yaml"),
-           "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false"]
+    cfg = [
+        sys.executable,
+        "-m",
+        "salvage.cli",
+        "--config",
+        str(ROOT / "configs/agent/webshop_tiny.yaml"),
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     cfg.insert(3, "fit")
-    proc = subprocess.run([*cfg, "--trainer.max_steps", "2"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [*cfg, "--trainer.max_steps", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
     steps = [r for r in rows if r.get("rollout/turns")]
-    assert len(steps) == 2 and float(steps[0]["rollout/turns"]) == 15.0  # the tiny model never buys: H = 15
-    assert any(r.get("val/webshop_score") for r in rows) and any(r.get("val/webshop_success") for r in rows)
+    assert (
+        len(steps) == 2 and float(steps[0]["rollout/turns"]) == 15.0
+    )  # the tiny model never buys: H = 15
+    assert any(r.get("val/webshop_score") for r in rows) and any(
+        r.get("val/webshop_success") for r in rows
+    )
     assert (tmp_path / "cache" / "webshop").is_dir()
     cfg[3] = "test"
     proc = subprocess.run(cfg, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

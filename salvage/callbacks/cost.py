@@ -25,7 +25,12 @@ class CostTracker(L.Callback):
         self.steps = 0
 
     def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         if not isinstance(batch, RolloutBatch) or "t_start" not in batch.stats:
             return
@@ -123,12 +128,18 @@ class CheckpointCost(L.Callback):
             table.add_row(name, f"{score:.4f}", str(step), f"{hours:.4g}")
         if len(self.best) > 1:
             c = checkpoint_costs(self.best)
-            table.add_row("joint (later of the two)", "", str(int(c["cost/joint_ckpt_step"])),
-                          f"{c['cost/joint_ckpt_gpu_hours']:.4g}")
+            table.add_row(
+                "joint (later of the two)",
+                "",
+                str(int(c["cost/joint_ckpt_step"])),
+                f"{c['cost/joint_ckpt_gpu_hours']:.4g}",
+            )
         Console().print(table)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": {k: list(v) for k, v in self.best.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.best = {k: (float(v[0]), int(v[1]), float(v[2])) for k, v in state_dict.get("best", {}).items()}
+        self.best = {
+            k: (float(v[0]), int(v[1]), float(v[2])) for k, v in state_dict.get("best", {}).items()
+        }

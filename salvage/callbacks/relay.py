@@ -73,15 +73,29 @@ class TeacherSpec:
         if self.kind not in ("oracle", "lm"):
             raise ValueError(f"teacher.kind must be 'oracle' or 'lm', got {self.kind!r}")
         if self.kind == "lm" and self.policy is None:
-            raise ValueError("teacher.kind='lm' needs teacher.policy (e.g. name_or_path: Qwen/Qwen2.5-1.5B-Instruct)")
+            raise ValueError(
+                "teacher.kind='lm' needs teacher.policy (e.g. name_or_path: Qwen/Qwen2.5-1.5B-Instruct)"
+            )
 
 
 class _Accounting:
     """SPEC §2.5 counters, per step and cumulative (saved in checkpoints)."""
 
-    KEYS = ("zero_signal_groups", "selected", "teacher_attempts", "recoveries", "retained", "extra_tokens_teacher",
-            "extra_tokens_search", "extra_tokens_confirm", "extra_tokens_student", "root_tokens", "sum_j", "sum_L",
-            "relays")
+    KEYS = (
+        "zero_signal_groups",
+        "selected",
+        "teacher_attempts",
+        "recoveries",
+        "retained",
+        "extra_tokens_teacher",
+        "extra_tokens_search",
+        "extra_tokens_confirm",
+        "extra_tokens_student",
+        "root_tokens",
+        "sum_j",
+        "sum_L",
+        "relays",
+    )
 
     def __init__(self) -> None:
         self.total = dict.fromkeys(self.KEYS, 0.0)
@@ -90,11 +104,34 @@ class _Accounting:
         for k in self.KEYS:
             self.total[k] += step.get(k, 0.0)
         t = self.total
-        extra = t["extra_tokens_teacher"] + t["extra_tokens_search"] + t["extra_tokens_confirm"] + t["extra_tokens_student"]
-        out = {f"relay/{k}": step.get(k, 0.0) for k in ("zero_signal_groups", "selected", "teacher_attempts",
-                                                         "recoveries", "retained")}
-        out.update({f"relay/{k}_cum": t[k] for k in ("zero_signal_groups", "selected", "teacher_attempts",
-                                                     "recoveries", "retained")})
+        extra = (
+            t["extra_tokens_teacher"]
+            + t["extra_tokens_search"]
+            + t["extra_tokens_confirm"]
+            + t["extra_tokens_student"]
+        )
+        out = {
+            f"relay/{k}": step.get(k, 0.0)
+            for k in (
+                "zero_signal_groups",
+                "selected",
+                "teacher_attempts",
+                "recoveries",
+                "retained",
+            )
+        }
+        out.update(
+            {
+                f"relay/{k}_cum": t[k]
+                for k in (
+                    "zero_signal_groups",
+                    "selected",
+                    "teacher_attempts",
+                    "recoveries",
+                    "retained",
+                )
+            }
+        )
         for k in ("teacher", "search", "confirm", "student"):
             out[f"cost/extra_tokens_{k}"] = t[f"extra_tokens_{k}"]
         out["cost/extra_token_ratio"] = extra / t["root_tokens"] if t["root_tokens"] else 0.0
@@ -108,7 +145,9 @@ class _Accounting:
 class RescueCallback(L.Callback):
     """Shared shell of the rescue stages: selection, accounting, logging, records."""
 
-    def __init__(self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True) -> None:
+    def __init__(
+        self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True
+    ) -> None:
         self.cfg = relay or RelayConfig()
         self.seed = seed
         self.records = records
@@ -120,10 +159,14 @@ class RescueCallback(L.Callback):
         from salvage.datamodules.agent import AgentDataModule
 
         dm = trainer.datamodule
-        self._records_path = run_file(trainer, "relays") if self.records else None  # every rank: log_dir syncs
+        self._records_path = (
+            run_file(trainer, "relays") if self.records else None
+        )  # every rank: log_dir syncs
         if not isinstance(dm, AgentDataModule):
-            raise TypeError(f"{type(self).__name__} needs an AgentDataModule (restorable env states), "
-                            f"got {type(dm).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} needs an AgentDataModule (restorable env states), "
+                f"got {type(dm).__name__}"
+            )
         self.cfg.check_horizon(dm.max_turns)
 
     def state_dict(self) -> dict[str, Any]:
@@ -145,17 +188,23 @@ class RescueCallback(L.Callback):
             f.flush()
             os.fsync(f.fileno())
 
-    def _log(self, pl_module: L.LightningModule, step: dict[str, float], fracs: list[float]) -> None:
+    def _log(
+        self, pl_module: L.LightningModule, step: dict[str, float], fracs: list[float]
+    ) -> None:
         pl_module.record(self.acc.metrics(step, fracs))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not isinstance(batch, RolloutBatch):
             return
         zero = [i for i, g in enumerate(batch.groups) if g.zero_signal]
         selected = select_groups(zero, self.cfg, self._rng(trainer))
-        step = {"zero_signal_groups": float(len(zero)), "selected": float(len(selected)),
-                "root_tokens": float(batch.num_response_tokens())}
+        step = {
+            "zero_signal_groups": float(len(zero)),
+            "selected": float(len(selected)),
+            "root_tokens": float(batch.num_response_tokens()),
+        }
         try:
             with gathered(*self.inference_models(pl_module)):  # FSDP: searches sample locally
                 fracs = self.rescue(trainer, pl_module, batch, selected, step)
@@ -166,19 +215,35 @@ class RescueCallback(L.Callback):
                     e.release()  # vLLM: memory back to training
         self._log(pl_module, step, fracs)
 
-    def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
-               selected: list[int], step: dict[str, float]) -> list[float]:
+    def rescue(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: RolloutBatch,
+        selected: list[int],
+        step: dict[str, float],
+    ) -> list[float]:
         raise NotImplementedError
 
     def inference_models(self, pl_module: L.LightningModule) -> list[Any]:
-        models = pl_module.inference_models() if hasattr(pl_module, "inference_models") else [pl_module.policy]
+        models = (
+            pl_module.inference_models()
+            if hasattr(pl_module, "inference_models")
+            else [pl_module.policy]
+        )
         teacher = getattr(self, "_teacher_model", None)
         return models + ([teacher] if teacher is not None else [])
 
 
 def _outcome(e: Episode, seed: int) -> Outcome:
-    return Outcome(success=e.won, n_actions=len(e.actions), output_tokens=sum(len(t.response_ids) for t in e.turns),
-                   seed=seed, restored=bool(e.observations), ref=e)
+    return Outcome(
+        success=e.won,
+        n_actions=len(e.actions),
+        output_tokens=sum(len(t.response_ids) for t in e.turns),
+        seed=seed,
+        restored=bool(e.observations),
+        ref=e,
+    )
 
 
 @dataclass
@@ -204,8 +269,13 @@ class VerifiedHandoff(RescueCallback):
     handoff: str | None = None
     anchor_order: str | None = None
 
-    def __init__(self, relay: RelayConfig | None = None, teacher: TeacherSpec | None = None, seed: int = 0,
-                 records: bool = True) -> None:
+    def __init__(
+        self,
+        relay: RelayConfig | None = None,
+        teacher: TeacherSpec | None = None,
+        seed: int = 0,
+        records: bool = True,
+    ) -> None:
         super().__init__(relay, seed, records)
         if self.handoff is not None:
             self.cfg = replace(self.cfg, handoff=self.handoff)
@@ -226,12 +296,20 @@ class VerifiedHandoff(RescueCallback):
             if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
                 shard_model(model, mesh, pl_module.fsdp, frozen=True)
             self._teacher_model = model
-            engine = build_engine(self.teacher_spec.engine or dm.engine_cfg, model, tok, frozen=True)
+            engine = build_engine(
+                self.teacher_spec.engine or dm.engine_cfg, model, tok, frozen=True
+            )
             self._teacher = LMPolicy(engine, tok, dm.fmt, dm.max_prompt_tokens)
 
     # -- search driver ---------------------------------------------------------------
-    def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
-               selected: list[int], step: dict[str, float]) -> list[float]:
+    def rescue(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: RolloutBatch,
+        selected: list[int],
+        step: dict[str, float],
+    ) -> list[float]:
         dm = trainer.datamodule
         rng = self._rng(trainer)
         H = dm.max_turns
@@ -241,15 +319,27 @@ class VerifiedHandoff(RescueCallback):
             eps: list[Episode] = [t.info["episode"] for t in g.trajectories]
             bb = select_backbone([(len(e.actions), e.terminal) for e in eps], H, self.cfg.b_min)
             if bb is None:
-                self._write(trainer, {"step": trainer.global_step, "task": g.task_id, "retained": False,
-                                      "reason": "no eligible backbone with a t=0 candidate"})
+                self._write(
+                    trainer,
+                    {
+                        "step": trainer.global_step,
+                        "task": g.task_id,
+                        "retained": False,
+                        "reason": "no eligible backbone with a t=0 candidate",
+                    },
+                )
                 continue
             idx, depths = bb
             anchors = anchor_schedule(depths, self.cfg.stride, self.cfg.max_backtracks)
             if self.cfg.anchor_order == "random":
                 anchors = random_anchor_order(anchors, rng)
-            gen = relay_search(eps[idx].actions, anchors, self.cfg, rng,
-                               seed=step_seed(self.seed, trainer.global_step, 11) + 10_007 * gi)
+            gen = relay_search(
+                eps[idx].actions,
+                anchors,
+                self.cfg,
+                rng,
+                seed=step_seed(self.seed, trainer.global_step, 11) + 10_007 * gi,
+            )
             s = _Search(gi, g, eps[idx], gen)
             s.req = next(gen)
             searches.append(s)
@@ -259,14 +349,26 @@ class VerifiedHandoff(RescueCallback):
             self._drive(searches, dm, student, base_seed, bar)
         return self._collect(trainer, batch, searches, student, dm, step)
 
-    def _drive(self, searches: list[_Search], dm: Any, student: LMPolicy, base_seed: int, bar: Any) -> None:
+    def _drive(
+        self, searches: list[_Search], dm: Any, student: LMPolicy, base_seed: int, bar: Any
+    ) -> None:
         round_ = 0
         while any(s.result is None for s in searches):
             live = [s for s in searches if s.result is None]
             answers: dict[int, Any] = {}
-            self._run_teacher([s for s in live if isinstance(s.req, TeacherRequest)], dm, answers, base_seed + round_)
-            self._run_student([s for s in live if isinstance(s.req, StudentRequest)], dm, student, answers,
-                              base_seed + round_)
+            self._run_teacher(
+                [s for s in live if isinstance(s.req, TeacherRequest)],
+                dm,
+                answers,
+                base_seed + round_,
+            )
+            self._run_student(
+                [s for s in live if isinstance(s.req, StudentRequest)],
+                dm,
+                student,
+                answers,
+                base_seed + round_,
+            )
             self._run_replay([s for s in live if isinstance(s.req, ReplayRequest)], dm, answers)
             for s in live:
                 try:
@@ -276,8 +378,15 @@ class VerifiedHandoff(RescueCallback):
                     bar.advance(1)
             round_ += 1
 
-    def _collect(self, trainer: L.Trainer, batch: RolloutBatch, searches: list[_Search], student: LMPolicy,
-                 dm: Any, step: dict[str, float]) -> list[float]:
+    def _collect(
+        self,
+        trainer: L.Trainer,
+        batch: RolloutBatch,
+        searches: list[_Search],
+        student: LMPolicy,
+        dm: Any,
+        step: dict[str, float],
+    ) -> list[float]:
         relays: list[RelayData] = batch.extras.setdefault("relays", [])
         fracs = []
         for s in searches:
@@ -297,7 +406,9 @@ class VerifiedHandoff(RescueCallback):
             self._write(trainer, rec)
         return fracs
 
-    def _run_teacher(self, live: list[_Search], dm: Any, answers: dict[int, Any], seed: int) -> None:
+    def _run_teacher(
+        self, live: list[_Search], dm: Any, answers: dict[int, Any], seed: int
+    ) -> None:
         if not live:
             return
         starts, owners = [], []
@@ -305,14 +416,24 @@ class VerifiedHandoff(RescueCallback):
             a = s.req.anchor
             state = s.backbone.state_at(a)
             for sd in s.req.seeds:
-                starts.append(Start(s.group.task, s.backbone.start.seed, state=state, history=s.backbone.history[:a]))
+                starts.append(
+                    Start(
+                        s.group.task,
+                        s.backbone.start.seed,
+                        state=state,
+                        history=s.backbone.history[:a],
+                    )
+                )
                 owners.append((s, sd))
         eps = dm.runner.run(starts, self._teacher, seed=seed, train=False)
         for s in live:
-            answers[id(s)] = [_outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s]
+            answers[id(s)] = [
+                _outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
+            ]
 
-    def _run_student(self, live: list[_Search], dm: Any, student: LMPolicy, answers: dict[int, Any],
-                     seed: int) -> None:
+    def _run_student(
+        self, live: list[_Search], dm: Any, student: LMPolicy, answers: dict[int, Any], seed: int
+    ) -> None:
         if not live:
             return
         starts, owners = [], []
@@ -326,7 +447,9 @@ class VerifiedHandoff(RescueCallback):
                 owners.append((s, sd))
         eps = dm.runner.run(starts, student, seed=seed + 1, train=True)
         for s in live:
-            answers[id(s)] = [_outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s]
+            answers[id(s)] = [
+                _outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
+            ]
 
     def _run_replay(self, live: list[_Search], dm: Any, answers: dict[int, Any]) -> None:
         if not live:
@@ -347,18 +470,28 @@ class VerifiedHandoff(RescueCallback):
         tok = student.tokenizer
         bridge = []
         for turn in recovery.turns[: r.j_star]:
-            bridge.append(SeqTarget(student.encode(turn.prompt_text),
-                                    list(tok(turn.response_text, add_special_tokens=False)["input_ids"])))
+            bridge.append(
+                SeqTarget(
+                    student.encode(turn.prompt_text),
+                    list(tok(turn.response_text, add_special_tokens=False)["input_ids"]),
+                )
+            )
         resume = []
         if r.resume is not None:
-            resume = [SeqTarget(list(t.prompt_ids), list(t.response_ids)) for t in r.resume.ref.turns if t.response_ids]
+            resume = [
+                SeqTarget(list(t.prompt_ids), list(t.response_ids))
+                for t in r.resume.ref.turns
+                if t.response_ids
+            ]
         pair = None
         d = pair_index(recovery.actions[: r.j_star], s.backbone.actions, r.anchor)
         if d is not None:
             failed_turn = s.backbone.turns[r.anchor + d]
             h = list(failed_turn.prompt_ids) or student.encode(failed_turn.prompt_text)
-            pair = (_action_target(h, recovery.turns[d].response_text, tok, fmt),
-                    _action_target(h, failed_turn.response_text, tok, fmt))
+            pair = (
+                _action_target(h, recovery.turns[d].response_text, tok, fmt),
+                _action_target(h, failed_turn.response_text, tok, fmt),
+            )
             rec["pair_depth"] = r.anchor + d
         return RelayData(bridge=bridge, resume=resume, pair=pair, record=rec)
 
@@ -366,15 +499,27 @@ class VerifiedHandoff(RescueCallback):
         r = s.result
         R = r.resume.n_actions if r.resume is not None else 0
         return {
-            "step": trainer.global_step, "task": s.group.task_id, "family": s.group.task.get("family"),
-            "retained": r.retained, "reason": r.reason, "anchors": r.anchors_tried, "anchor": r.anchor,
-            "L": r.L, "j_star": r.j_star, "j_early": r.j_early, "R": R,
+            "step": trainer.global_step,
+            "task": s.group.task_id,
+            "family": s.group.task.get("family"),
+            "retained": r.retained,
+            "reason": r.reason,
+            "anchors": r.anchors_tried,
+            "anchor": r.anchor,
+            "L": r.L,
+            "j_star": r.j_star,
+            "j_early": r.j_early,
+            "R": R,
             "teacher_frac": (r.j_star / r.L) if r.retained and r.L else None,
             "discovery": {str(k): v for k, v in r.discovery.items()},
-            "teacher_attempts": r.teacher_attempts, "discovery_rollouts": r.discovery_rollouts,
-            "confirm_rollouts": r.confirm_rollouts, "tokens": {"teacher": r.teacher_tokens,
-                                                               "search": r.search_tokens,
-                                                               "confirm": r.confirm_tokens},
+            "teacher_attempts": r.teacher_attempts,
+            "discovery_rollouts": r.discovery_rollouts,
+            "confirm_rollouts": r.confirm_rollouts,
+            "tokens": {
+                "teacher": r.teacher_tokens,
+                "search": r.search_tokens,
+                "confirm": r.confirm_tokens,
+            },
         }
 
 
@@ -420,34 +565,67 @@ class ExtraStudentRollouts(RescueCallback):
     """Budget-matched ablation: ``extra_rollouts`` more student rollouts per selected group,
     trained with plain GRPO (advantages recomputed over the enlarged group)."""
 
-    def __init__(self, relay: RelayConfig | None = None, extra_rollouts: int = 4, seed: int = 0,
-                 records: bool = True) -> None:
+    def __init__(
+        self,
+        relay: RelayConfig | None = None,
+        extra_rollouts: int = 4,
+        seed: int = 0,
+        records: bool = True,
+    ) -> None:
         super().__init__(relay, seed, records)
         if extra_rollouts < 1:
             raise ValueError(f"extra_rollouts must be >= 1, got {extra_rollouts}")
         self.extra_rollouts = extra_rollouts
 
-    def rescue(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: RolloutBatch,
-               selected: list[int], step: dict[str, float]) -> list[float]:
+    def rescue(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: RolloutBatch,
+        selected: list[int],
+        step: dict[str, float],
+    ) -> list[float]:
         if not selected:
             return []
         dm = trainer.datamodule
         seed = step_seed(self.seed, trainer.global_step, 17)
-        starts = [Start(batch.groups[gi].task, seed + 1000 + k) for gi in selected for k in range(self.extra_rollouts)]
+        starts = [
+            Start(batch.groups[gi].task, seed + 1000 + k)
+            for gi in selected
+            for k in range(self.extra_rollouts)
+        ]
         eps = dm.runner.run(starts, dm.student(), seed=seed, train=True)
         tokens = 0
         for n, gi in enumerate(selected):
             g = batch.groups[gi]
-            new: list[Trajectory] = [dm.runner.to_trajectory(e) for e in
-                                     eps[n * self.extra_rollouts : (n + 1) * self.extra_rollouts] if e.error is None]
+            new: list[Trajectory] = [
+                dm.runner.to_trajectory(e)
+                for e in eps[n * self.extra_rollouts : (n + 1) * self.extra_rollouts]
+                if e.error is None
+            ]
             tokens += sum(t.num_response_tokens for t in new)
             g.trajectories.extend(new)
             dm.assign_group_advantages(g)
-            self._write(trainer, {"step": trainer.global_step, "task": g.task_id, "extra_rollouts": len(new),
-                                  "successes": sum(t.success for t in new), "zero_signal_after": g.zero_signal})
+            self._write(
+                trainer,
+                {
+                    "step": trainer.global_step,
+                    "task": g.task_id,
+                    "extra_rollouts": len(new),
+                    "successes": sum(t.success for t in new),
+                    "zero_signal_after": g.zero_signal,
+                },
+            )
         step["extra_tokens_student"] = float(tokens)
         return []
 
 
-__all__ = ["ExtraStudentRollouts", "NoHandoff", "RandomAnchorOrder", "RandomVerifiedHandoff", "RescueCallback",
-           "TeacherSpec", "VerifiedHandoff"]
+__all__ = [
+    "ExtraStudentRollouts",
+    "NoHandoff",
+    "RandomAnchorOrder",
+    "RandomVerifiedHandoff",
+    "RescueCallback",
+    "TeacherSpec",
+    "VerifiedHandoff",
+]

@@ -37,14 +37,26 @@ class OracleSFT(L.Callback):
         seed: seed of the batch sampling.
     """
 
-    def __init__(self, episodes: int = 16, steps: int = 50, batch_size: int = 16, lr: float = 3e-3,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        episodes: int = 16,
+        steps: int = 50,
+        batch_size: int = 16,
+        lr: float = 3e-3,
+        seed: int = 0,
+    ) -> None:
         for k, v in (("episodes", episodes), ("steps", steps), ("batch_size", batch_size)):
             if v < 1:
                 raise ValueError(f"OracleSFT {k} must be >= 1, got {v}")
         if lr <= 0:
             raise ValueError(f"OracleSFT lr must be > 0, got {lr}")
-        self.episodes, self.steps, self.batch_size, self.lr, self.seed = episodes, steps, batch_size, lr, seed
+        self.episodes, self.steps, self.batch_size, self.lr, self.seed = (
+            episodes,
+            steps,
+            batch_size,
+            lr,
+            seed,
+        )
         self.done = False
         self.history: list[float] = []
 
@@ -76,7 +88,16 @@ class OracleSFT(L.Callback):
         log.info("OracleSFT: %d/%d oracle episodes won, %d turns", wins, len(eps), len(pairs))
         return pairs
 
-    def _train(self, model: Any, opt: Any, rng: random.Random, pairs: list, pad: int, pl_module: Any, bar: Any) -> None:
+    def _train(
+        self,
+        model: Any,
+        opt: Any,
+        rng: random.Random,
+        pairs: list,
+        pad: int,
+        pl_module: Any,
+        bar: Any,
+    ) -> None:
         for _ in range(self.steps):
             batch = rng.sample(pairs, min(self.batch_size, len(pairs)))
             ids, mask = pad_right([p + r for p, r in batch], pad, pl_module.device)
@@ -97,7 +118,9 @@ class OracleSFT(L.Callback):
             return
         pairs = self.demonstrations(trainer)
         if not pairs:
-            raise RuntimeError("OracleSFT: no winning oracle episode to learn from (check the env and tasks)")
+            raise RuntimeError(
+                "OracleSFT: no winning oracle episode to learn from (check the env and tasks)"
+            )
         model = pl_module.policy
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
         rng = random.Random(self.seed)
@@ -109,6 +132,17 @@ class OracleSFT(L.Callback):
         pl_module.reset_reference()
         self.done = True
         if hasattr(pl_module, "record_later"):
-            pl_module.record_later({"sft/loss_first": self.history[0], "sft/loss_last": self.history[-1],
-                                    "sft/pairs": float(len(pairs)), "sft/steps": float(self.steps)})
-        log.info("OracleSFT: loss %.3f -> %.3f over %d steps", self.history[0], self.history[-1], self.steps)
+            pl_module.record_later(
+                {
+                    "sft/loss_first": self.history[0],
+                    "sft/loss_last": self.history[-1],
+                    "sft/pairs": float(len(pairs)),
+                    "sft/steps": float(self.steps),
+                }
+            )
+        log.info(
+            "OracleSFT: loss %.3f -> %.3f over %d steps",
+            self.history[0],
+            self.history[-1],
+            self.steps,
+        )

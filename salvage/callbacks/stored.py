@@ -43,22 +43,34 @@ class RecordRollouts(L.Callback):
     def _dir(self, trainer: L.Trainer) -> Path:
         return Path(self.dirpath or Path(trainer.default_root_dir) / "rollouts")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not isinstance(batch, RolloutBatch) or trainer.global_rank != 0:
             return
         rec = {
             "step": trainer.global_step,
             "temperature": batch.temperature,
             "prompts": [
-                {"task_id": g.task_id, "answer": g.task.get("answer"), "responses": [
-                    {"text": t.turns[0].response_text, "logprobs": list(t.turns[0].logprobs),
-                     "finish_reason": t.turns[0].finish_reason, "reward": t.reward}
-                    for t in g.trajectories]}
+                {
+                    "task_id": g.task_id,
+                    "answer": g.task.get("answer"),
+                    "responses": [
+                        {
+                            "text": t.turns[0].response_text,
+                            "logprobs": list(t.turns[0].logprobs),
+                            "finish_reason": t.turns[0].finish_reason,
+                            "reward": t.reward,
+                        }
+                        for t in g.trajectories
+                    ],
+                }
                 for g in batch.groups
             ],
         }
-        atomic_write_text(self._dir(trainer) / f"step_{trainer.global_step:06d}.json", json.dumps(rec))
+        atomic_write_text(
+            self._dir(trainer) / f"step_{trainer.global_step:06d}.json", json.dumps(rec)
+        )
 
 
 class StoredPeer(L.Callback):
@@ -70,19 +82,38 @@ class StoredPeer(L.Callback):
         seed: seed of the random admission stream.
     """
 
-    def __init__(self, dirpath: str, delta: float = 0.8, gate: bool = True, floor: bool = True,
-                 peer_filter: str = "all", admission: str = "compat", p_admit: float = 0.5, seed: int = 0) -> None:
+    def __init__(
+        self,
+        dirpath: str,
+        delta: float = 0.8,
+        gate: bool = True,
+        floor: bool = True,
+        peer_filter: str = "all",
+        admission: str = "compat",
+        p_admit: float = 0.5,
+        seed: int = 0,
+    ) -> None:
         if not 0 < delta <= 1:
             raise ValueError(f"StoredPeer delta={delta!r} must be in (0, 1]")
         self.dirpath = Path(dirpath)
-        self.opts = {"delta": delta, "gate": gate, "floor": floor, "peer_filter": peer_filter,
-                     "peer_advantage": "source", "admission": admission, "p_admit": p_admit, "peer_loss": "clip"}
+        self.opts = {
+            "delta": delta,
+            "gate": gate,
+            "floor": floor,
+            "peer_filter": peer_filter,
+            "peer_advantage": "source",
+            "admission": admission,
+            "p_admit": p_admit,
+            "peer_loss": "clip",
+        }
         self.seed = seed
         self.transferred = 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and not self.dirpath.is_dir():
-            raise FileNotFoundError(f"StoredPeer dirpath {str(self.dirpath)!r} is not a directory of recorded steps")
+            raise FileNotFoundError(
+                f"StoredPeer dirpath {str(self.dirpath)!r} is not a directory of recorded steps"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"transferred": self.transferred}
@@ -96,8 +127,9 @@ class StoredPeer(L.Callback):
             raise FileNotFoundError(f"StoredPeer: no recorded rollouts for step {step} ({path})")
         return json.loads(path.read_text(encoding="utf-8"))
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not isinstance(batch, RolloutBatch):
             return
         step = trainer.global_step
@@ -116,9 +148,22 @@ class StoredPeer(L.Callback):
             trajs = []
             for r in p["responses"]:
                 res = dm.reward_fn(r["text"], g.task["answer"])  # re-verified, never trusted
-                trajs.append(Trajectory(turns=[Turn([], [], list(r["logprobs"]), response_text=r["text"],
-                                                    finish_reason=r["finish_reason"])],
-                                        reward=res.reward, success=res.success, source="stored"))
+                trajs.append(
+                    Trajectory(
+                        turns=[
+                            Turn(
+                                [],
+                                [],
+                                list(r["logprobs"]),
+                                response_text=r["text"],
+                                finish_reason=r["finish_reason"],
+                            )
+                        ],
+                        reward=res.reward,
+                        success=res.success,
+                        source="stored",
+                    )
+                )
             pg = Group(task_id=g.task_id, trajectories=trajs, task=g.task)
             assign_advantages(pg, dm.advantage, dm.adv_eps, dm.reward_tol, dm.adv_tol)
             peer_groups.append(pg)
@@ -127,14 +172,28 @@ class StoredPeer(L.Callback):
         k_src = [sum(g.successes) for g in peer_groups]
         prompts = select_unidirectional(k_recv, k_src, n)
         with gathered(pl_module.policy):
-            weights = transplant(RolloutBatch(groups=peer_groups, temperature=rec.get("temperature", 1.0)), batch,
-                                 prompts, pl_module, self.opts, random.Random(step_seed(self.seed, step, 31)))
+            weights = transplant(
+                RolloutBatch(groups=peer_groups, temperature=rec.get("temperature", 1.0)),
+                batch,
+                prompts,
+                pl_module,
+                self.opts,
+                random.Random(step_seed(self.seed, step, 31)),
+            )
         self.transferred += len(prompts)
-        order = order_groups([bool(g.info.get("peer")) for g in batch.groups], "peer-last", random.Random(0))
-        batch.extras["minibatch_groups"] = split_minibatches(order, pl_module.hparams.num_minibatches)
-        pl_module.record({
-            "graft/transferred_stored": float(len(prompts)),
-            "graft/transferred_stored_cum": float(self.transferred),
-            "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights)) if weights else 0.0,
-            "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
-        })
+        order = order_groups(
+            [bool(g.info.get("peer")) for g in batch.groups], "peer-last", random.Random(0)
+        )
+        batch.extras["minibatch_groups"] = split_minibatches(
+            order, pl_module.hparams.num_minibatches
+        )
+        pl_module.record(
+            {
+                "graft/transferred_stored": float(len(prompts)),
+                "graft/transferred_stored_cum": float(self.transferred),
+                "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights))
+                if weights
+                else 0.0,
+                "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
+            }
+        )

@@ -40,7 +40,9 @@ class RunSummary(L.Callback):
         self.keys = list(keys or DEFAULT_KEYS)
         self.history: dict[str, list[float]] = {k: [] for k in self.keys}
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+    ) -> None:
         logged = getattr(pl_module, "_step_log", None)
         m = logged if logged else trainer.callback_metrics
         for k in self.keys:
@@ -57,5 +59,7 @@ class RunSummary(L.Callback):
             table.add_column(col, justify="right" if col != "metric" else "left")
         for k, vals in self.history.items():
             if vals:
-                table.add_row(k, f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{sum(vals) / len(vals):.4g}")
+                table.add_row(
+                    k, f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{sum(vals) / len(vals):.4g}"
+                )
         Console().print(table)

@@ -52,7 +52,9 @@ class AgentFormat:
         if self.history_k < 0:
             raise ValueError(f"agent.history_k must be >= 0, got {self.history_k}")
         if self.invalid_penalty < 0:
-            raise ValueError(f"agent.invalid_penalty must be >= 0 (it is subtracted), got {self.invalid_penalty}")
+            raise ValueError(
+                f"agent.invalid_penalty must be >= 0 (it is subtracted), got {self.invalid_penalty}"
+            )
         for key in ("{task}", "{observation}", "{admissible}"):
             if key not in self.template:
                 raise ValueError(f"agent.template must contain {key}")
@@ -115,4 +117,6 @@ def trajectory_reward(won: bool, n_invalid: int, fmt: AgentFormat) -> float:
 
 def format_action(action: str, fmt: AgentFormat, thought: str = "") -> str:
     """A well-formed response for an action (used by oracle policies)."""
-    return f"<{fmt.think_tag}>{thought}</{fmt.think_tag}><{fmt.action_tag}>{action}</{fmt.action_tag}>"
+    return (
+        f"<{fmt.think_tag}>{thought}</{fmt.think_tag}><{fmt.action_tag}>{action}</{fmt.action_tag}>"
+    )

@@ -51,7 +51,9 @@ def select_transfers(
     if balance not in BALANCE:
         raise ValueError(f"graft.balance must be one of {BALANCE}, got {balance!r}")
     if len(k_a) != len(k_b):
-        raise ValueError(f"success counts of A ({len(k_a)}) and B ({len(k_b)}) cover different prompts")
+        raise ValueError(
+            f"success counts of A ({len(k_a)}) and B ({len(k_b)}) cover different prompts"
+        )
     ab = [q for q in range(len(k_a)) if complementary(k_b[q], k_a[q], n)]
     ba = [q for q in range(len(k_a)) if complementary(k_a[q], k_b[q], n)]
     m_ab, m_ba = len(ab), len(ba)
@@ -123,7 +125,9 @@ def split_minibatches(order: Sequence[int], num_minibatches: int) -> list[list[i
 # --------------------------------------------------------------------------- baselines
 
 
-def pooled_advantages(r_receiver: torch.Tensor, r_peer: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def pooled_advantages(
+    r_receiver: torch.Tensor, r_peer: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pooled groups: GRPO advantages over receiver || peer rewards (SPEC §3.3, eps 1e-6)."""
     r = torch.cat([r_receiver, r_peer]).to(torch.float64)
     std = r.std(correction=1) if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
@@ -131,7 +135,9 @@ def pooled_advantages(r_receiver: torch.Tensor, r_peer: torch.Tensor, eps: float
     return a[: r_receiver.numel()], a[r_receiver.numel() :]
 
 
-def luffy_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor, gamma: float = 0.1) -> torch.Tensor:
+def luffy_token_loss(
+    logprobs: torch.Tensor, advantages: torch.Tensor, gamma: float = 0.1
+) -> torch.Tensor:
     """LUFFY-style peer tokens: ``-f(p) A`` with ``f(p) = p / (p + gamma)``, behaviour prob 1, no clip."""
     p = torch.exp(logprobs)
     return -(p / (p + gamma)) * advantages
@@ -155,8 +161,13 @@ def hacpo_sequence_ratio(lbar_target: float, lbar_source: float) -> float:
     return math.exp(lbar_target - lbar_source)
 
 
-def capability_advantages(r_receiver: torch.Tensor, r_peer: torch.Tensor, c_receiver: float, c_peer: float,
-                          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def capability_advantages(
+    r_receiver: torch.Tensor,
+    r_peer: torch.Tensor,
+    c_receiver: float,
+    c_peer: float,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HACPO's capability-weighted group baseline over receiver || peer responses (ours where SPEC is silent).
 
     The peer's responses count with weight ``omega = min(1, (c_receiver + 0.05) / (c_peer + 0.05))``
@@ -166,15 +177,23 @@ def capability_advantages(r_receiver: torch.Tensor, r_peer: torch.Tensor, c_rece
     """
     omega = min(1.0, (c_receiver + 0.05) / (c_peer + 0.05))
     r = torch.cat([r_receiver, r_peer]).to(torch.float64)
-    w = torch.cat([torch.ones(r_receiver.numel()), torch.full((r_peer.numel(),), omega)]).to(torch.float64)
+    w = torch.cat([torch.ones(r_receiver.numel()), torch.full((r_peer.numel(),), omega)]).to(
+        torch.float64
+    )
     b = (w * r).sum() / w.sum()
     sigma = ((w * (r - b) ** 2).sum() / w.sum()).sqrt()
     a = ((r - b) / (sigma + eps)).to(torch.float32)
     return a[: r_receiver.numel()], a[r_receiver.numel() :]
 
 
-def hacpo_token_loss(logprobs: torch.Tensor, mask: torch.Tensor, source_mean: torch.Tensor, advantages: torch.Tensor,
-                     low: float, high: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def hacpo_token_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    source_mean: torch.Tensor,
+    advantages: torch.Tensor,
+    low: float,
+    high: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HACPO's peer loss with a sequence-level ratio ``rho = exp(mean logp_target - mean logp_source)``.
 
     Per row: ``-min(rho A, clip(rho, low, high) A)``, written on every response token of the

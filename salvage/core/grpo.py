@@ -127,7 +127,9 @@ def aggregation_weights(
     raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {mode!r}")
 
 
-def aggregation_denominator(mask: torch.Tensor, seq_index: torch.Tensor, mode: Aggregation = "token-mean") -> float:
+def aggregation_denominator(
+    mask: torch.Tensor, seq_index: torch.Tensor, mode: Aggregation = "token-mean"
+) -> float:
     """The count ``aggregation_weights`` divides by: tokens (token-mean) or sequences with
     tokens (seq-mean-token-mean). Summed over data-parallel ranks, it is the global count
     that makes a sharded update equal one process's (``salvage.distributed.global_scale``).
@@ -140,7 +142,9 @@ def aggregation_denominator(mask: torch.Tensor, seq_index: torch.Tensor, mode: A
     if mode == "seq-mean-token-mean":
         row_tokens = m.sum(dim=1)
         n_seq = int(seq_index.max().item()) + 1
-        seq_tokens = torch.zeros(n_seq, dtype=m.dtype).index_add_(0, seq_index.cpu(), row_tokens.cpu())
+        seq_tokens = torch.zeros(n_seq, dtype=m.dtype).index_add_(
+            0, seq_index.cpu(), row_tokens.cpu()
+        )
         return float((seq_tokens > 0).sum())
     raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {mode!r}")
 

@@ -69,21 +69,38 @@ class RelayConfig:
                 raise ValueError(f"relay.{key}={val!r} {why}")
 
         need(self.max_groups >= 0, "max_groups", self.max_groups, "must be >= 0")
-        need(self.group_select in GROUP_SELECT, "group_select", self.group_select, f"must be one of {GROUP_SELECT}")
+        need(
+            self.group_select in GROUP_SELECT,
+            "group_select",
+            self.group_select,
+            f"must be one of {GROUP_SELECT}",
+        )
         need(self.b_min >= 1, "b_min", self.b_min, "must be >= 1")
         need(self.stride >= 1, "stride", self.stride, "must be >= 1")
         need(self.max_backtracks >= 0, "max_backtracks", self.max_backtracks, "must be >= 0")
         need(self.teacher_attempts >= 1, "teacher_attempts", self.teacher_attempts, "must be >= 1")
-        need(self.discovery_rollouts >= 1, "discovery_rollouts", self.discovery_rollouts, "must be >= 1")
+        need(
+            self.discovery_rollouts >= 1,
+            "discovery_rollouts",
+            self.discovery_rollouts,
+            "must be >= 1",
+        )
         need(self.discovery_budget >= 1, "discovery_budget", self.discovery_budget, "must be >= 1")
         need(self.confirm_rollouts >= 1, "confirm_rollouts", self.confirm_rollouts, "must be >= 1")
         need(self.handoff in HANDOFF, "handoff", self.handoff, f"must be one of {HANDOFF}")
-        need(self.anchor_order in ANCHOR_ORDER, "anchor_order", self.anchor_order, f"must be one of {ANCHOR_ORDER}")
+        need(
+            self.anchor_order in ANCHOR_ORDER,
+            "anchor_order",
+            self.anchor_order,
+            f"must be one of {ANCHOR_ORDER}",
+        )
 
     def check_horizon(self, max_turns: int) -> None:
         """Cross-field check against the episode cap H (fails before any compute)."""
         if self.b_min > max_turns:
-            raise ValueError(f"relay.b_min={self.b_min} exceeds the episode cap H = data.max_turns = {max_turns}")
+            raise ValueError(
+                f"relay.b_min={self.b_min} exceeds the episode cap H = data.max_turns = {max_turns}"
+            )
 
 
 # --------------------------------------------------------------------------- requests
@@ -222,7 +239,9 @@ def keep_resume(outcomes: Sequence[Outcome]) -> int | None:
     ok = [i for i, o in enumerate(outcomes) if o.restored and o.success]
     if not ok:
         return None
-    return min(ok, key=lambda i: (outcomes[i].n_actions, outcomes[i].output_tokens, outcomes[i].seed))
+    return min(
+        ok, key=lambda i: (outcomes[i].n_actions, outcomes[i].output_tokens, outcomes[i].seed)
+    )
 
 
 def first_divergence(bridge: Sequence[str], backbone_from_anchor: Sequence[str]) -> int | None:
@@ -380,7 +399,9 @@ def relay_search(
     return res
 
 
-def pair_index(bridge_actions: Sequence[str], backbone_actions: Sequence[str], anchor: int) -> int | None:
+def pair_index(
+    bridge_actions: Sequence[str], backbone_actions: Sequence[str], anchor: int
+) -> int | None:
     """Index into the bridge of the action-preference pair (first divergence), if any."""
     return first_divergence(bridge_actions, list(backbone_actions[anchor:]))
 

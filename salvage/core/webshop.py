@@ -39,6 +39,7 @@ FUNCTION_WORDS = frozenset(
     "much such own same other another what which who whom whose when where why how here there".split()
 )
 
+
 def fuzzy_ratio(a: str, b: str) -> int:
     """thefuzz's ``token_set_ratio``: processed strings, rapidfuzz's scorer, rounded."""
     from rapidfuzz import fuzz, utils
@@ -57,7 +58,11 @@ def normalize_color(value: str) -> str:
 
 def title_words(name: str) -> set[str]:
     """Type words of a product name (ours: stands in for spaCy's NOUN/PROPN tokens)."""
-    return {w for w in re.findall(r"[a-z]+(?:[.'][a-z]+)*", name.lower()) if len(w) >= 2 and w not in FUNCTION_WORDS}
+    return {
+        w
+        for w in re.findall(r"[a-z]+(?:[.'][a-z]+)*", name.lower())
+        if len(w) >= 2 and w not in FUNCTION_WORDS
+    }
 
 
 def type_reward(product: dict[str, Any], goal: dict[str, Any]) -> dict[str, Any]:
@@ -74,12 +79,20 @@ def type_reward(product: dict[str, Any], goal: dict[str, Any]) -> dict[str, Any]
         r_type = 0.1
     if title_score == 0.0:
         r_type = 0.0
-    return {"r_type": r_type, "query_match": query_match, "category_match": category_match,
-            "title_score": title_score}
+    return {
+        "r_type": r_type,
+        "query_match": query_match,
+        "category_match": category_match,
+        "title_score": title_score,
+    }
 
 
 def attribute_matches(product: dict[str, Any], goal_attrs: list[str]) -> int:
-    text = [product["Title"].lower(), " ".join(product["BulletPoints"]).lower(), product["Description"].lower()]
+    text = [
+        product["Title"].lower(),
+        " ".join(product["BulletPoints"]).lower(),
+        product["Description"].lower(),
+    ]
     n = 0
     for g in goal_attrs:
         if any(fuzzy_ratio(p, g) > 85 for p in product["Attributes"]) or any(g in t for t in text):
@@ -92,8 +105,9 @@ def option_matches(chosen: list[str], goal_options: list[str]) -> int:
     return sum(any(fuzzy_ratio(p, normalize_color(g)) > 85 for p in chosen) for g in goal_options)
 
 
-def webshop_score(product: dict[str, Any], goal: dict[str, Any], price: float,
-                  options: dict[str, str]) -> tuple[float, dict[str, Any]]:
+def webshop_score(
+    product: dict[str, Any], goal: dict[str, Any], price: float, options: dict[str, str]
+) -> tuple[float, dict[str, Any]]:
     """The original task score s in [0, 1] of buying ``product`` with ``options`` at ``price``."""
     t = type_reward(product, goal)
     goal_opts = goal["goal_options"]
@@ -103,5 +117,11 @@ def webshop_score(product: dict[str, Any], goal: dict[str, Any], price: float,
     m_opt = option_matches(list(options.values()), goal_opts)
     denom = len(goal["attributes"]) + len(goal_opts) + 1
     score = (m_attr + m_opt + float(r_price)) / denom * t["r_type"]
-    return score, {**t, "attr_matches": m_attr, "option_matches": m_opt, "price_ok": r_price,
-                   "num_attrs": len(goal["attributes"]), "num_options": len(goal_opts)}
+    return score, {
+        **t,
+        "attr_matches": m_attr,
+        "option_matches": m_opt,
+        "price_ok": r_price,
+        "num_attrs": len(goal["attributes"]),
+        "num_options": len(goal_opts),
+    }

@@ -65,7 +65,9 @@ class EnvSpec:
         if self.backend not in ("process", "ray"):
             raise ValueError(f"data.env.backend must be 'process' or 'ray', got {self.backend!r}")
         if self.backend == "ray" and self.num_workers < 1:
-            raise ValueError(f"data.env.num_workers must be >= 1 with backend=ray, got {self.num_workers}")
+            raise ValueError(
+                f"data.env.num_workers must be >= 1 with backend=ray, got {self.num_workers}"
+            )
         if self.step_timeout_s <= 0:
             raise ValueError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
 
@@ -103,8 +105,17 @@ class AgentDataModule(RolloutDataModule):
         max_prompt_tokens: int = 2048,
         seed: int = 0,
     ) -> None:
-        super().__init__(tasks_per_step, engine, val_batch_size, seed, group_size, advantage, adv_eps, reward_tol,
-                         adv_tol)
+        super().__init__(
+            tasks_per_step,
+            engine,
+            val_batch_size,
+            seed,
+            group_size,
+            advantage,
+            adv_eps,
+            reward_tol,
+            adv_tol,
+        )
         if max_turns < 1:
             raise ValueError(f"data.max_turns (H) must be >= 1, got {max_turns}")
         self.env_spec = env or EnvSpec()
@@ -119,7 +130,11 @@ class AgentDataModule(RolloutDataModule):
     # ------------------------------------------------------------------ set-up
     def load_split(self, split: str) -> list[dict[str, Any]] | None:
         spec = self.env_spec
-        args = {"train": spec.train_tasks, "val": spec.val_tasks, "test": spec.test_tasks or spec.val_tasks}[split]
+        args = {
+            "train": spec.train_tasks,
+            "val": spec.val_tasks,
+            "test": spec.test_tasks or spec.val_tasks,
+        }[split]
         if args is None:
             return None
         return env_class(spec.name).list_tasks(split, **args)
@@ -131,14 +146,23 @@ class AgentDataModule(RolloutDataModule):
             if spec.backend == "ray":
                 from salvage.envs.ray_pool import RayEnvPool
 
-                self.pool = RayEnvPool(spec.name, spec.kwargs, spec.num_workers, spec.step_timeout_s,
-                                       address=spec.ray_address, num_cpus=spec.ray_num_cpus)
+                self.pool = RayEnvPool(
+                    spec.name,
+                    spec.kwargs,
+                    spec.num_workers,
+                    spec.step_timeout_s,
+                    address=spec.ray_address,
+                    num_cpus=spec.ray_num_cpus,
+                )
             else:
                 self.pool = EnvPool(spec.name, spec.kwargs, spec.num_workers, spec.step_timeout_s)
             self.runner = AgentRunner(self.pool, self.fmt, self.max_turns)
         trainer = getattr(self, "trainer", None)
-        if self.reports_score and trainer is not None and not any(
-                isinstance(c, EnvScoreMetrics) for c in trainer.callbacks):
+        if (
+            self.reports_score
+            and trainer is not None
+            and not any(isinstance(c, EnvScoreMetrics) for c in trainer.callbacks)
+        ):
             trainer.callbacks.append(EnvScoreMetrics(self.env_spec.name))
 
     @property
@@ -173,11 +197,15 @@ class AgentDataModule(RolloutDataModule):
         from salvage.rollout.config import build_engine
 
         module = self.trainer.lightning_module
-        return build_engine(replace(self.engine_cfg, temperature=self.val_temperature), module.policy,
-                            module.tokenizer)
+        return build_engine(
+            replace(self.engine_cfg, temperature=self.val_temperature),
+            module.policy,
+            module.tokenizer,
+        )
 
-    def rollout(self, tasks: list[dict[str, Any]], n: int, seed: int, policy: Any,
-                advantages: bool = True) -> RolloutBatch:
+    def rollout(
+        self, tasks: list[dict[str, Any]], n: int, seed: int, policy: Any, advantages: bool = True
+    ) -> RolloutBatch:
         t0 = time.perf_counter()
         assert self.runner is not None and self.pool is not None
         errors_before = self.pool.errors
@@ -236,14 +264,37 @@ class EnvScoreMetrics(Callback):
         if not scores:
             return
         n = len(scores)
-        for key, value in (("score", sum(scores) / n), ("success", sum(s == 1.0 for s in scores) / n)):
-            pl_module.log(f"{prefix}/{self.env_name}_{key}", 100.0 * value, on_step=False, on_epoch=True,
-                          batch_size=n, sync_dist=True)
+        for key, value in (
+            ("score", sum(scores) / n),
+            ("success", sum(s == 1.0 for s in scores) / n),
+        ):
+            pl_module.log(
+                f"{prefix}/{self.env_name}_{key}",
+                100.0 * value,
+                on_step=False,
+                on_epoch=True,
+                batch_size=n,
+                sync_dist=True,
+            )
 
-    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._log(pl_module, batch, "val")
 
-    def on_test_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._log(pl_module, batch, "eval")

@@ -63,7 +63,9 @@ class StepBatches:
 
     def batch(self, step: int) -> list[int]:
         epoch, k = divmod(step, self.per_epoch)
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        perm = torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        )
         width = self.batch_size * self.world
         glob = perm[k * width : (k + 1) * width].tolist()
         return glob[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
@@ -97,9 +99,13 @@ class RolloutDataModule(L.LightningDataModule):
         if tasks_per_step < 1:
             raise ValueError(f"data.{tasks_key} must be >= 1, got {tasks_per_step}")
         if group_size < 2:
-            raise ValueError(f"data.group_size must be >= 2 (a group needs contrast), got {group_size}")
+            raise ValueError(
+                f"data.group_size must be >= 2 (a group needs contrast), got {group_size}"
+            )
         if advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}")
+            raise ValueError(
+                f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}"
+            )
         if val_batch_size < 1:
             raise ValueError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
         self.group_size = group_size
@@ -135,8 +141,12 @@ class RolloutDataModule(L.LightningDataModule):
     def _eval_loader(self, split: str) -> DataLoader | list:
         if split not in self.tasks:
             return []
-        return DataLoader(_Indices(len(self.tasks[split])), batch_size=self.val_batch_size, shuffle=False,
-                          collate_fn=_collate)
+        return DataLoader(
+            _Indices(len(self.tasks[split])),
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=_collate,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         return self._eval_loader("val")
@@ -155,7 +165,9 @@ class RolloutDataModule(L.LightningDataModule):
         if isinstance(batch, RolloutBatch):
             return batch
         module = self.trainer.lightning_module
-        models = module.inference_models() if hasattr(module, "inference_models") else [module.policy]
+        models = (
+            module.inference_models() if hasattr(module, "inference_models") else [module.policy]
+        )
         engines = [e for e in self.live_engines() if hasattr(e, "prepare")]
         for e in engines:  # vLLM: wake, re-sync weights (collectives: every rank, same order)
             e.prepare()

@@ -36,16 +36,30 @@ class GraftDataModule(RLVRDataModule):
         parts = {}
         for i, name in enumerate(NAMES):
             learner = self.trainer.lightning_module.learner(name)
-            parts[name] = self.rollout(tasks, n, seed + 7919 * i, engine=self._engine_for(name),
-                                       tokenizer=learner.tokenizer, **kw)
+            parts[name] = self.rollout(
+                tasks,
+                n,
+                seed + 7919 * i,
+                engine=self._engine_for(name),
+                tokenizer=learner.tokenizer,
+                **kw,
+            )
         stats = {"t_start": t0}
         for k in ("time_generate", "time_reward", "gen_tokens", "verifier_timeouts"):
             stats[k] = sum(p.stats.get(k, 0.0) for p in parts.values())
-        return RolloutBatch(groups=[], temperature=parts["a"].temperature, stats=stats, extras=dict(parts))
+        return RolloutBatch(
+            groups=[], temperature=parts["a"].temperature, stats=stats, extras=dict(parts)
+        )
 
     def train_rollout(self, tasks: list[MathTask]) -> RolloutBatch:
         return self._both(tasks, self.group_size, step_seed(self.seed, self.trainer.global_step, 0))
 
     def eval_rollout(self, tasks: list[MathTask], split: str) -> RolloutBatch:
-        return self._both(tasks, self.val_samples, step_seed(self.seed, self.trainer.global_step, 1),
-                          temperature=self.val_temperature, top_p=self.val_top_p, advantages=False)
+        return self._both(
+            tasks,
+            self.val_samples,
+            step_seed(self.seed, self.trainer.global_step, 1),
+            temperature=self.val_temperature,
+            top_p=self.val_top_p,
+            advantages=False,
+        )

@@ -57,8 +57,18 @@ class RLVRDataModule(RolloutDataModule):
         reward: Reward | None = None,
         seed: int = 0,
     ) -> None:
-        super().__init__(prompts_per_step, engine, val_batch_size, seed, group_size, advantage, adv_eps, reward_tol,
-                         adv_tol, tasks_key="prompts_per_step")
+        super().__init__(
+            prompts_per_step,
+            engine,
+            val_batch_size,
+            seed,
+            group_size,
+            advantage,
+            adv_eps,
+            reward_tol,
+            adv_tol,
+            tasks_key="prompts_per_step",
+        )
         if val_samples < 1:
             raise ValueError(f"data.val_samples must be >= 1, got {val_samples}")
         if max_prompt_tokens < 8:
@@ -76,7 +86,11 @@ class RLVRDataModule(RolloutDataModule):
         self._prompt_cache: dict[tuple[int, str], list[int]] = {}
 
     def load_split(self, split: str) -> list[MathTask] | None:
-        data = {"train": self.train_data, "val": self.val_data, "test": self.test_data or self.val_data}[split]
+        data = {
+            "train": self.train_data,
+            "val": self.val_data,
+            "test": self.test_data or self.val_data,
+        }[split]
         if data is None:
             return None
         sources = data if isinstance(data, list) else [data]
@@ -101,7 +115,9 @@ class RLVRDataModule(RolloutDataModule):
         key = (id(tok), task.id)
         ids = self._prompt_cache.get(key)
         if ids is None:
-            text = tok.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                task.messages, tokenize=False, add_generation_prompt=True
+            )
             ids = list(tok(text, add_special_tokens=False)["input_ids"])
             if len(ids) > self.max_prompt_tokens:
                 ids = ids[-self.max_prompt_tokens :]
@@ -109,12 +125,18 @@ class RLVRDataModule(RolloutDataModule):
         return ids
 
     def train_rollout(self, tasks: list[MathTask]) -> RolloutBatch:
-        return self.rollout(tasks, n=self.group_size, seed=step_seed(self.seed, self.trainer.global_step, 0))
+        return self.rollout(
+            tasks, n=self.group_size, seed=step_seed(self.seed, self.trainer.global_step, 0)
+        )
 
     def eval_rollout(self, tasks: list[MathTask], split: str) -> RolloutBatch:
         return self.rollout(
-            tasks, n=self.val_samples, seed=step_seed(self.seed, self.trainer.global_step, 1),
-            temperature=self.val_temperature, top_p=self.val_top_p, advantages=False,
+            tasks,
+            n=self.val_samples,
+            seed=step_seed(self.seed, self.trainer.global_step, 1),
+            temperature=self.val_temperature,
+            top_p=self.val_top_p,
+            advantages=False,
         )
 
     def rollout(
@@ -135,7 +157,9 @@ class RLVRDataModule(RolloutDataModule):
         t0 = time.perf_counter()
         engine = engine if engine is not None else self.engine
         prompts = [self.prompt_ids(t, tokenizer) for t in tasks]
-        samples = generate_with_retry(engine, prompts, n=n, seed=seed, temperature=temperature, top_p=top_p)
+        samples = generate_with_retry(
+            engine, prompts, n=n, seed=seed, temperature=temperature, top_p=top_p
+        )
         t_gen = time.perf_counter()
         timeouts_before = self.reward_fn.timeouts
         groups: list[Group] = []
@@ -144,12 +168,25 @@ class RLVRDataModule(RolloutDataModule):
             for s in group_samples:
                 r = self.reward_fn(s.text, task.answer)
                 turn = Turn(
-                    prompt_ids=s.prompt_ids, response_ids=s.response_ids, logprobs=s.logprobs,
-                    response_text=s.text, finish_reason=s.finish_reason,
+                    prompt_ids=s.prompt_ids,
+                    response_ids=s.response_ids,
+                    logprobs=s.logprobs,
+                    response_text=s.text,
+                    finish_reason=s.finish_reason,
                 )
-                trajs.append(Trajectory(turns=[turn], reward=r.reward, success=r.success,
-                                        info={"verifier_timeout": r.timed_out, "seed": s.seed}))
-            groups.append(Group(task_id=task.id, trajectories=trajs, task={"answer": task.answer, **task.meta}))
+                trajs.append(
+                    Trajectory(
+                        turns=[turn],
+                        reward=r.reward,
+                        success=r.success,
+                        info={"verifier_timeout": r.timed_out, "seed": s.seed},
+                    )
+                )
+            groups.append(
+                Group(
+                    task_id=task.id, trajectories=trajs, task={"answer": task.answer, **task.meta}
+                )
+            )
         if advantages:
             for g in groups:
                 self.assign_group_advantages(g)
@@ -167,4 +204,3 @@ class RLVRDataModule(RolloutDataModule):
                 "verifier_timeouts": float(self.reward_fn.timeouts - timeouts_before),
             },
         )
-

@@ -28,15 +28,20 @@ FAMILIES = {
     "pick_cool_then_place_in_recep": "pick_cool_then_place",
     "pick_clean_then_place_in_recep": "pick_clean_then_place",
 }
-SPLIT_DIRS = {"train": ("json_2.1.1/train", "train"), "val": ("json_2.1.1/valid_seen", "valid_seen"),
-              "test": ("json_2.1.1/valid_unseen", "valid_unseen")}
+SPLIT_DIRS = {
+    "train": ("json_2.1.1/train", "train"),
+    "val": ("json_2.1.1/valid_seen", "valid_seen"),
+    "test": ("json_2.1.1/valid_unseen", "valid_unseen"),
+}
 _TASK_RE = re.compile(r"Your task is to:\s*(.+)")
 
 
 def data_root(data_path: str | None) -> Path:
     root = data_path or os.environ.get("ALFWORLD_DATA")
     if not root:
-        raise ValueError("alfworld needs env.kwargs.data_path (or $ALFWORLD_DATA) pointing at its data")
+        raise ValueError(
+            "alfworld needs env.kwargs.data_path (or $ALFWORLD_DATA) pointing at its data"
+        )
     p = Path(os.path.expandvars(root)).expanduser()
     if not p.is_dir():
         raise FileNotFoundError(f"alfworld data_path {str(p)!r} is not a directory")
@@ -57,8 +62,14 @@ class ALFWorldEnv(ReplayEnv):
         self._task_desc = ""
 
     @classmethod
-    def list_tasks(cls, split: str, data_path: str | None = None, split_dir: str | None = None,
-                   num_tasks: int | None = None, families: list[str] | None = None) -> list[dict[str, Any]]:
+    def list_tasks(
+        cls,
+        split: str,
+        data_path: str | None = None,
+        split_dir: str | None = None,
+        num_tasks: int | None = None,
+        families: list[str] | None = None,
+    ) -> list[dict[str, Any]]:
         root = data_root(data_path)
         candidates = [split_dir] if split_dir else list(SPLIT_DIRS.get(split, (split,)))
         base = next((root / c for c in candidates if (root / c).is_dir()), None)
@@ -79,7 +90,9 @@ class ALFWorldEnv(ReplayEnv):
             family = FAMILIES.get(ttype, ttype)
             if families and family not in families:
                 continue
-            tasks.append({"id": str(folder.relative_to(root)), "gamefile": str(game), "family": family})
+            tasks.append(
+                {"id": str(folder.relative_to(root)), "gamefile": str(game), "family": family}
+            )
             if num_tasks and len(tasks) >= num_tasks:
                 break
         if not tasks:
@@ -95,13 +108,22 @@ class ALFWorldEnv(ReplayEnv):
                 AlfredInfos,
             )
         except ImportError as e:
-            raise RuntimeError("env 'alfworld' needs the alfworld package: pip install 'salvage[alfworld]'") from e
+            raise RuntimeError(
+                "env 'alfworld' needs the alfworld package: pip install 'salvage[alfworld]'"
+            ) from e
         if self._env is not None:
             self._env.close()
-        infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile", "expert_plan"])
+        infos = textworld.EnvInfos(
+            won=True, admissible_commands=True, extras=["gamefile", "expert_plan"]
+        )
         self._env = textworld.start(
-            gamefile, request_infos=infos,
-            wrappers=[AlfredDemangler(shuffle=False), AlfredInfos, AlfredExpert(expert_type=self.expert)],
+            gamefile,
+            request_infos=infos,
+            wrappers=[
+                AlfredDemangler(shuffle=False),
+                AlfredInfos,
+                AlfredExpert(expert_type=self.expert),
+            ],
         )
         self._gamefile = gamefile
 
@@ -126,7 +148,12 @@ class ALFWorldEnv(ReplayEnv):
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         st, reward, done = self._env.step(action)
         info = self._state_info(st)
-        return st["feedback"], float(reward), bool(done or info["won"] or self.depth + 1 >= self.max_steps), info
+        return (
+            st["feedback"],
+            float(reward),
+            bool(done or info["won"] or self.depth + 1 >= self.max_steps),
+            info,
+        )
 
     def close(self) -> None:
         if self._env is not None:

@@ -120,7 +120,9 @@ class ReplayEnv:
         except (KeyError, TypeError, ValueError) as e:
             raise RestoreError(f"{self.name}: malformed snapshot ({e!r})") from e
         if verify and state.get("digest") not in (None, digest(want)):
-            raise RestoreError(f"{self.name}: snapshot digest does not match its observation (tampered?)")
+            raise RestoreError(
+                f"{self.name}: snapshot digest does not match its observation (tampered?)"
+            )
         obs, _ = self.reset(task, seed)
         for t, a in enumerate(actions):
             if self._done:

@@ -115,7 +115,9 @@ def _worker_main(conn: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
 class _Worker:
     def __init__(self, ctx: Any, env_name: str, env_kwargs: dict[str, Any]) -> None:
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, env_name, env_kwargs), daemon=True)
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, env_name, env_kwargs), daemon=True
+        )
         self.proc.start()
         child.close()
 
@@ -161,7 +163,9 @@ class EnvPool:
         self._trace: dict[int, dict[str, Any]] = {}
         self._ctx = mp.get_context("spawn")
         self._local = _Host(env_name, self.env_kwargs) if num_workers == 0 else None
-        self._workers = [_Worker(self._ctx, self.env_name, self.env_kwargs) for _ in range(num_workers)]
+        self._workers = [
+            _Worker(self._ctx, self.env_name, self.env_kwargs) for _ in range(num_workers)
+        ]
         for w in self._workers:
             self._wait_ready(w)
 
@@ -228,10 +232,17 @@ class EnvPool:
             return
         if op == "reset":
             task, seed = arg
-            self._trace[eid] = {"env": self.env_name, "task": task, "seed": seed, "actions": [],
-                                "observation": res.value[0]}
+            self._trace[eid] = {
+                "env": self.env_name,
+                "task": task,
+                "seed": seed,
+                "actions": [],
+                "observation": res.value[0],
+            }
         elif op == "restore":
-            self._trace[eid] = {k: arg[k] for k in ("env", "task", "seed", "actions", "observation")}
+            self._trace[eid] = {
+                k: arg[k] for k in ("env", "task", "seed", "actions", "observation")
+            }
             self._trace[eid]["actions"] = list(arg["actions"])
         elif op == "step" and eid in self._trace:
             tr = self._trace[eid]
@@ -269,7 +280,9 @@ class EnvPool:
             return self.step_timeout_s * (1 + len(arg.get("actions", [])))
         return self.step_timeout_s
 
-    def _collect(self, w: int, items: list[tuple[int, int, str, int, Any]], results: list[EnvResult | None]) -> None:
+    def _collect(
+        self, w: int, items: list[tuple[int, int, str, int, Any]], results: list[EnvResult | None]
+    ) -> None:
         pending = list(items)
         while pending:
             seq, idx, op, eid, arg = pending[0]

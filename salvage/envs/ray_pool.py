@@ -66,11 +66,18 @@ class RayEnvPool(EnvPool):
         runtime_env: dict[str, Any] | None = None,
     ) -> None:
         if num_workers < 1:
-            raise ValueError(f"data.env.num_workers must be >= 1 with backend=ray, got {num_workers}")
+            raise ValueError(
+                f"data.env.num_workers must be >= 1 with backend=ray, got {num_workers}"
+            )
         ray = _ray()
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     runtime_env=runtime_env, ignore_reinit_error=True)
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env=runtime_env,
+                ignore_reinit_error=True,
+            )
         self._actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_ActorHost)
         self._actors: list[Any] = []
         # the base class sets up counters and records; with num_workers=0 it starts no process
@@ -86,7 +93,9 @@ class RayEnvPool(EnvPool):
             ray.get(actor.ready.remote(), timeout=self.startup_timeout_s)
         except Exception as e:
             ray.kill(actor)
-            raise RuntimeError(f"Ray env actor did not start within {self.startup_timeout_s:.0f}s: {e!r}") from e
+            raise RuntimeError(
+                f"Ray env actor did not start within {self.startup_timeout_s:.0f}s: {e!r}"
+            ) from e
         return actor
 
     def _run(self, ops: list[tuple[str, int, Any]]) -> list[EnvResult]:
@@ -102,8 +111,13 @@ class RayEnvPool(EnvPool):
     def _submit(self, w: int, items: list[tuple[int, str, int, Any]]) -> list[Any]:
         return [self._actors[w].handle.remote(op, eid, arg) for _, op, eid, arg in items]
 
-    def _gather(self, w: int, items: list[tuple[int, str, int, Any]], refs: list[Any],
-                results: list[EnvResult | None]) -> None:
+    def _gather(
+        self,
+        w: int,
+        items: list[tuple[int, str, int, Any]],
+        refs: list[Any],
+        results: list[EnvResult | None],
+    ) -> None:
         ray = _ray()
         pending = list(zip(items, refs, strict=True))
         while pending:
@@ -140,8 +154,10 @@ class RayEnvPool(EnvPool):
         for eid in [e for e in self._trace if e % self.num_workers == w and e not in exclude]:
             state = dict(self._trace[eid])
             try:
-                res = ray.get(self._actors[w].handle.remote("restore", eid, state),
-                              timeout=self._timeout("restore", state))
+                res = ray.get(
+                    self._actors[w].handle.remote("restore", eid, state),
+                    timeout=self._timeout("restore", state),
+                )
             except Exception as e:  # noqa: BLE001
                 res = EnvResult(False, error=f"restore after actor restart failed: {e!r}")
             if not res.ok:

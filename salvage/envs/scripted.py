@@ -26,13 +26,21 @@ class ScriptedEnv(ReplayEnv):
         self._alive = True
 
     @classmethod
-    def list_tasks(cls, split: str, num_tasks: int = 4, length: int = 3, actions: list[str] | None = None) -> list[dict[str, Any]]:
+    def list_tasks(
+        cls, split: str, num_tasks: int = 4, length: int = 3, actions: list[str] | None = None
+    ) -> list[dict[str, Any]]:
         pool = actions or ["a", "b", "c"]
         tasks = []
         for i in range(num_tasks):
             sol = [pool[(i + j) % len(pool)] for j in range(length)]
-            tasks.append({"id": f"scripted/{split}/{i}", "family": f"len{length}", "solution": sol,
-                          "actions": list(pool)})
+            tasks.append(
+                {
+                    "id": f"scripted/{split}/{i}",
+                    "family": f"len{length}",
+                    "solution": sol,
+                    "actions": list(pool),
+                }
+            )
         return tasks
 
     def _render(self) -> str:
@@ -50,8 +58,13 @@ class ScriptedEnv(ReplayEnv):
         d = len(self._taken)
         won = self._alive and self._taken == self._solution
         oracle = self._solution[d] if self._alive and d < len(self._solution) else None
-        return {"won": won, "admissible": list(self._pool), "score": float(won),
-                "task_description": f"reach {'/'.join(self._solution)}", "oracle_action": oracle}
+        return {
+            "won": won,
+            "admissible": list(self._pool),
+            "score": float(won),
+            "task_description": f"reach {'/'.join(self._solution)}",
+            "oracle_action": oracle,
+        }
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if action == "crash!":

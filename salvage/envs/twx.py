@@ -18,7 +18,16 @@ from typing import Any, ClassVar
 
 from salvage.envs.base import ReplayEnv
 
-GAMES = ("coin", "cookingworld", "twc", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
+GAMES = (
+    "coin",
+    "cookingworld",
+    "twc",
+    "mapreader",
+    "arithmetic",
+    "sorting",
+    "simonsays",
+    "peckingorder",
+)
 
 # Easiest settings, measured in FACTS.md; override with ``params``.
 DEFAULT_PARAMS = {
@@ -32,7 +41,9 @@ DEFAULT_PARAMS = {
 class TWXEnv(ReplayEnv):
     name: ClassVar[str] = "twx"
 
-    def __init__(self, step_limit: int = 100, plan_max_nodes: int = 400, plan_max_depth: int = 30) -> None:
+    def __init__(
+        self, step_limit: int = 100, plan_max_nodes: int = 400, plan_max_depth: int = 30
+    ) -> None:
         super().__init__()
         self.step_limit = step_limit
         self.plan_max_nodes = plan_max_nodes
@@ -56,15 +67,26 @@ class TWXEnv(ReplayEnv):
 
     @classmethod
     def list_tasks(
-        cls, split: str, game: str = "coin", params: str | None = None, num_tasks: int = 16, seed_offset: int = 0
+        cls,
+        split: str,
+        game: str = "coin",
+        params: str | None = None,
+        num_tasks: int = 16,
+        seed_offset: int = 0,
     ) -> list[dict[str, Any]]:
         if game not in GAMES:
             raise ValueError(f"twx game must be one of {GAMES}, got {game!r}")
         fold = {"train": "train", "val": "dev", "test": "test"}.get(split, split)
         p = DEFAULT_PARAMS.get(game, "") if params is None else params
         return [
-            {"id": f"{game}/{fold}/{seed_offset + i}", "family": game, "game": game, "params": p,
-             "game_seed": seed_offset + i, "fold": fold}
+            {
+                "id": f"{game}/{fold}/{seed_offset + i}",
+                "family": game,
+                "game": game,
+                "params": p,
+                "game_seed": seed_offset + i,
+                "fold": fold,
+            }
             for i in range(num_tasks)
         ]
 
@@ -75,7 +97,9 @@ class TWXEnv(ReplayEnv):
             env.load(*key)
             self._loaded = key
         # TWX draws a game per (seed, fold): the task's game_seed must be valid for its fold
-        obs, raw = env.reset(seed=int(task["game_seed"]), gameFold=task.get("fold", "train"), generateGoldPath=False)
+        obs, raw = env.reset(
+            seed=int(task["game_seed"]), gameFold=task.get("fold", "train"), generateGoldPath=False
+        )
         self._plan = None
         self._task_desc = raw.get("taskDescription", "")
         return obs, self._info_from(raw)
@@ -102,7 +126,11 @@ class TWXEnv(ReplayEnv):
         if self._plan is not None:
             base, plan = self._plan
             k = len(here) - len(base)
-            if here[: len(base)] == base and 0 <= k < len(plan) and list(here[len(base):]) == plan[:k]:
+            if (
+                here[: len(base)] == base
+                and 0 <= k < len(plan)
+                and list(here[len(base) :]) == plan[:k]
+            ):
                 return plan[k]
         plan = self._bfs()
         self._plan = (here, plan) if plan else None
@@ -122,8 +150,15 @@ class TWXEnv(ReplayEnv):
         for _depth in range(self.plan_max_depth):
             nxt: list[list[str]] = []
             for path in frontier:
-                tw.restore({**start, "actions": start["actions"] + path, "observation": None, "digest": None},
-                           verify=False)
+                tw.restore(
+                    {
+                        **start,
+                        "actions": start["actions"] + path,
+                        "observation": None,
+                        "digest": None,
+                    },
+                    verify=False,
+                )
                 for a in list(tw.info["admissible"]):
                     if nodes >= self.plan_max_nodes:
                         return None
@@ -135,8 +170,15 @@ class TWXEnv(ReplayEnv):
                     if not res.done and key not in seen:
                         seen.add(key)
                         nxt.append(path + [a])
-                    tw.restore({**start, "actions": start["actions"] + path, "observation": None,
-                                "digest": None}, verify=False)
+                    tw.restore(
+                        {
+                            **start,
+                            "actions": start["actions"] + path,
+                            "observation": None,
+                            "digest": None,
+                        },
+                        verify=False,
+                    )
             if not nxt:
                 return None
             frontier = nxt

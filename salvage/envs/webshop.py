@@ -81,7 +81,10 @@ from salvage.core.webshop import (
 )
 from salvage.envs.base import ReplayEnv
 
-FILE_PAIRS = (("items_shuffle.json", "items_ins_v2.json"), ("items_shuffle_1000.json", "items_ins_v2_1000.json"))
+FILE_PAIRS = (
+    ("items_shuffle.json", "items_ins_v2.json"),
+    ("items_shuffle_1000.json", "items_ins_v2_1000.json"),
+)
 HUMAN_FILE, REVIEWS_FILE = "items_human_ins.json", "reviews.json"
 PRICE_RANGE = tuple(10.0 * i for i in range(1, 100))
 GOAL_SHUFFLE_SEED = 233
@@ -103,7 +106,8 @@ def resolve_data_dir(data_dir: str | None) -> Path:
         raise ValueError(
             "webshop needs data_dir (data.env.train_tasks.data_dir / val_tasks.data_dir) or $WEBSHOP_DATA: a "
             "WebShop data folder (items_shuffle*.json, items_ins_v2*.json, items_human_ins.json), or "
-            "'synthetic' for the built-in synthetic catalogue")
+            "'synthetic' for the built-in synthetic catalogue"
+        )
     if str(raw).startswith("synthetic"):
         from salvage.envs.webshop_synth import ensure_synthetic
 
@@ -111,7 +115,9 @@ def resolve_data_dir(data_dir: str | None) -> Path:
         return ensure_synthetic(int(seed or 0))
     p = Path(os.path.expandvars(str(raw))).expanduser().resolve()
     if not p.is_dir():
-        raise FileNotFoundError(f"webshop data_dir {str(p)!r} (data_dir or $WEBSHOP_DATA) is not a directory")
+        raise FileNotFoundError(
+            f"webshop data_dir {str(p)!r} (data_dir or $WEBSHOP_DATA) is not a directory"
+        )
     return p
 
 
@@ -129,23 +135,40 @@ def _price(pricing: Any) -> tuple[list[float], str]:
     return values[:2], f"${values[0]} to ${values[1]}"
 
 
-def _product(p: dict[str, Any], attrs: dict[str, Any] | None, reviews: dict[str, Any] | None) -> dict[str, Any]:
+def _product(
+    p: dict[str, Any], attrs: dict[str, Any] | None, reviews: dict[str, Any] | None
+) -> dict[str, Any]:
     pricing, tag = _price(p.get("pricing"))
     options: dict[str, list[str]] = {}
     for name, contents in (p.get("customization_options") or {}).items():
         if contents is not None:
-            options[name.lower()] = [c["value"].strip().replace("/", " | ").lower() for c in contents]
+            options[name.lower()] = [
+                c["value"].strip().replace("/", " | ").lower() for c in contents
+            ]
     bullets = p.get("small_description") or []
-    revs = [{"title": r.get("title", ""), "score": r.get("score", r.get("stars", "")),
-             "body": r.get("review", r.get("body", ""))} for r in (reviews or {}).get("reviews", [])]
+    revs = [
+        {
+            "title": r.get("title", ""),
+            "score": r.get("score", r.get("stars", "")),
+            "body": r.get("review", r.get("body", "")),
+        }
+        for r in (reviews or {}).get("reviews", [])
+    ]
     return {
-        "asin": p["asin"], "name": p["name"], "Title": p["name"], "query": p["query"].lower().strip(),
-        "category": p["category"], "product_category": p["product_category"],
+        "asin": p["asin"],
+        "name": p["name"],
+        "Title": p["name"],
+        "query": p["query"].lower().strip(),
+        "category": p["category"],
+        "product_category": p["product_category"],
         "Description": p.get("full_description") or "",
         "BulletPoints": bullets if isinstance(bullets, list) else [bullets],
-        "pricing": pricing, "Price": tag, "options": options,
+        "pricing": pricing,
+        "Price": tag,
+        "options": options,
         "Attributes": (attrs or {}).get("attributes") or ["DUMMY_ATTR"],
-        "Reviews": revs, "Rating": (reviews or {}).get("average_rating", "N.A."),
+        "Reviews": revs,
+        "Rating": (reviews or {}).get("average_rating", "N.A."),
     }
 
 
@@ -175,13 +198,17 @@ class Catalogue:
                 import bm25s
                 import Stemmer
             except ImportError as e:
-                raise RuntimeError("env 'webshop' needs bm25s, PyStemmer and rapidfuzz: pip install "
-                                   "'salvage[webshop]'") from e
+                raise RuntimeError(
+                    "env 'webshop' needs bm25s, PyStemmer and rapidfuzz: pip install "
+                    "'salvage[webshop]'"
+                ) from e
             self._stem = Stemmer.Stemmer("porter")
             docs = []
             for p in self.products:
                 opts = ", and ".join(f"{n}: {', '.join(v)}" for n, v in p["options"].items())
-                docs.append(" ".join([p["Title"], p["Description"], (p["BulletPoints"] or [""])[0], opts]))
+                docs.append(
+                    " ".join([p["Title"], p["Description"], (p["BulletPoints"] or [""])[0], opts])
+                )
             index = bm25s.BM25(k1=0.9, b=0.4, method="lucene")
             index.index([self._analyse(d) for d in docs], show_progress=False)
             self._index = index
@@ -205,15 +232,23 @@ def load_catalogue(root: Path, num_products: int | None = None, price_seed: int 
 def _read_catalogue(root: Path, num_products: int | None, price_seed: int) -> Catalogue:
     pair = next(((root / a, root / b) for a, b in FILE_PAIRS if (root / a).exists()), None)
     if pair is None:
-        raise FileNotFoundError(f"webshop: no product file ({' or '.join(a for a, _ in FILE_PAIRS)}) in {root}")
+        raise FileNotFoundError(
+            f"webshop: no product file ({' or '.join(a for a, _ in FILE_PAIRS)}) in {root}"
+        )
     for f in (pair[1], root / HUMAN_FILE):
         if not f.exists():
-            raise FileNotFoundError(f"webshop: {f.name} is missing in {root} (needed with {pair[0].name})")
+            raise FileNotFoundError(
+                f"webshop: {f.name} is missing in {root} (needed with {pair[0].name})"
+            )
     raw = json.loads(pair[0].read_text(encoding="utf-8"))
     attrs = json.loads(pair[1].read_text(encoding="utf-8"))
     human = json.loads((root / HUMAN_FILE).read_text(encoding="utf-8"))
     rev_file = root / REVIEWS_FILE
-    reviews = {r["asin"]: r for r in json.loads(rev_file.read_text(encoding="utf-8"))} if rev_file.exists() else {}
+    reviews = (
+        {r["asin"]: r for r in json.loads(rev_file.read_text(encoding="utf-8"))}
+        if rev_file.exists()
+        else {}
+    )
     if num_products is not None:
         raw = raw[:num_products]
     products, seen = [], set()
@@ -224,8 +259,10 @@ def _read_catalogue(root: Path, num_products: int | None, price_seed: int) -> Ca
         seen.add(asin)
         products.append(_product(p, attrs.get(asin), reviews.get(asin)))
     rng = random.Random(price_seed)
-    prices = {p["asin"]: p["pricing"][0] if len(p["pricing"]) == 1 else rng.uniform(*p["pricing"][:2])
-              for p in products}
+    prices = {
+        p["asin"]: p["pricing"][0] if len(p["pricing"]) == 1 else rng.uniform(*p["pricing"][:2])
+        for p in products
+    }
     goals = []
     for p in products:
         for ins in human.get(p["asin"], []):
@@ -236,13 +273,19 @@ def _read_catalogue(root: Path, num_products: int | None, price_seed: int) -> Ca
             if len(above) >= 2:
                 upper = sorted(rng.sample(above, 2))[1]
                 price_text = f", and price lower than {upper:.2f} dollars"
-            goals.append({
-                "asin": p["asin"], "category": p["category"], "query": p["query"], "name": p["name"],
-                "product_category": p["product_category"],
-                "instruction_text": ins["instruction"].strip(".") + price_text,
-                "attributes": list(ins["instruction_attributes"]), "price_upper": upper,
-                "goal_options": ins.get("instruction_options") or [],
-            })
+            goals.append(
+                {
+                    "asin": p["asin"],
+                    "category": p["category"],
+                    "query": p["query"],
+                    "name": p["name"],
+                    "product_category": p["product_category"],
+                    "instruction_text": ins["instruction"].strip(".") + price_text,
+                    "attributes": list(ins["instruction_attributes"]),
+                    "price_upper": upper,
+                    "goal_options": ins.get("instruction_options") or [],
+                }
+            )
     random.Random(GOAL_SHUFFLE_SEED).shuffle(goals)
     return Catalogue(root, products, prices, goals)
 
@@ -255,10 +298,14 @@ class WebShopEnv(ReplayEnv):
     reports_score: ClassVar[bool] = True
     """Evaluation logs ``<prefix>/webshop_score`` and ``<prefix>/webshop_success`` (SPEC §2.6)."""
 
-    def __init__(self, step_limit: int = 15, results_per_page: int = 10, search_return_n: int = 50) -> None:
+    def __init__(
+        self, step_limit: int = 15, results_per_page: int = 10, search_return_n: int = 50
+    ) -> None:
         super().__init__()
         if step_limit < 1 or results_per_page < 1 or search_return_n < 1:
-            raise ValueError("webshop step_limit, results_per_page and search_return_n must be >= 1")
+            raise ValueError(
+                "webshop step_limit, results_per_page and search_return_n must be >= 1"
+            )
         self.step_limit = step_limit
         self.results_per_page = results_per_page
         self.search_return_n = search_return_n
@@ -277,37 +324,62 @@ class WebShopEnv(ReplayEnv):
         self._expert_query: str | None = None
 
     @classmethod
-    def list_tasks(cls, split: str, data_dir: str | None = None, num_tasks: int | None = None,
-                   eval_goals: int = 500, num_products: int | None = None, price_seed: int = 0,
-                   families: list[str] | None = None) -> list[dict[str, Any]]:
+    def list_tasks(
+        cls,
+        split: str,
+        data_dir: str | None = None,
+        num_tasks: int | None = None,
+        eval_goals: int = 500,
+        num_products: int | None = None,
+        price_seed: int = 0,
+        families: list[str] | None = None,
+    ) -> list[dict[str, Any]]:
         """Goals ``0 .. eval_goals-1`` for ``val``/``test``, the rest for ``train``."""
         if split not in ("train", "val", "test"):
             raise ValueError(f"webshop split must be train, val or test, got {split!r}")
         root = resolve_data_dir(data_dir)
         cat = load_catalogue(root, num_products, price_seed)
-        idx = range(eval_goals, len(cat.goals)) if split == "train" else range(min(eval_goals, len(cat.goals)))
+        idx = (
+            range(eval_goals, len(cat.goals))
+            if split == "train"
+            else range(min(eval_goals, len(cat.goals)))
+        )
         tasks = []
         for i in idx:
             g = cat.goals[i]
             if families and g["category"] not in families:
                 continue
-            tasks.append({"id": f"webshop/{split}/{i}", "family": g["category"], "goal_index": i,
-                          "data_dir": str(root), "num_products": num_products, "price_seed": price_seed,
-                          "description": g["instruction_text"], "goal": g})
+            tasks.append(
+                {
+                    "id": f"webshop/{split}/{i}",
+                    "family": g["category"],
+                    "goal_index": i,
+                    "data_dir": str(root),
+                    "num_products": num_products,
+                    "price_seed": price_seed,
+                    "description": g["instruction_text"],
+                    "goal": g,
+                }
+            )
             if num_tasks and len(tasks) >= num_tasks:
                 break
         if not tasks:
-            raise ValueError(f"webshop: the {split} split is empty ({len(cat.goals)} goals in {root}, "
-                             f"eval_goals={eval_goals}: goals 0..{eval_goals - 1} are evaluation)")
+            raise ValueError(
+                f"webshop: the {split} split is empty ({len(cat.goals)} goals in {root}, "
+                f"eval_goals={eval_goals}: goals 0..{eval_goals - 1} are evaluation)"
+            )
         return tasks
 
     # -- state -----------------------------------------------------------------------
     def _reset(self, task: dict[str, Any], seed: int) -> tuple[str, dict[str, Any]]:
-        self._cat = load_catalogue(resolve_data_dir(task["data_dir"]), task.get("num_products"),
-                                   task.get("price_seed", 0))
+        self._cat = load_catalogue(
+            resolve_data_dir(task["data_dir"]), task.get("num_products"), task.get("price_seed", 0)
+        )
         self._goal = task["goal"]
         if self._goal["asin"] not in self._cat.by_asin:
-            raise ValueError(f"webshop: goal product {self._goal['asin']} is not in the catalogue at {task['data_dir']}")
+            raise ValueError(
+                f"webshop: goal product {self._goal['asin']} is not in the catalogue at {task['data_dir']}"
+            )
         self._clear()
         return self._render(), self._state_info(invalid=False)
 
@@ -334,9 +406,16 @@ class WebShopEnv(ReplayEnv):
 
     def _state_info(self, invalid: bool) -> dict[str, Any]:
         done = self._page == "done"
-        return {"won": done and self._score == 1.0, "admissible": self._admissible(), "score": self._score,
-                "done": done, "task_description": self._goal["instruction_text"], "invalid_action": invalid,
-                "page": self._page, **({"reward_info": self._reward_info} if done else {})}
+        return {
+            "won": done and self._score == 1.0,
+            "admissible": self._admissible(),
+            "score": self._score,
+            "done": done,
+            "task_description": self._goal["instruction_text"],
+            "invalid_action": invalid,
+            "page": self._page,
+            **({"reward_info": self._reward_info} if done else {}),
+        }
 
     def _product(self) -> dict[str, Any]:
         assert self._cat is not None and self._asin is not None
@@ -372,7 +451,13 @@ class WebShopEnv(ReplayEnv):
             return False
         target = clicks[arg]
         if arg == BACK:
-            self._page, self._keywords, self._results, self._asin, self._options = "search", "", [], None, {}
+            self._page, self._keywords, self._results, self._asin, self._options = (
+                "search",
+                "",
+                [],
+                None,
+                {},
+            )
         elif self._page == "results":
             if arg in (NEXT, PREV):
                 self._page_no += 1 if arg == NEXT else -1
@@ -386,8 +471,9 @@ class WebShopEnv(ReplayEnv):
                 self._page, self._sub = "sub", arg
             elif arg == BUY:
                 assert self._cat is not None and self._asin is not None
-                self._score, self._reward_info = webshop_score(self._product(), self._goal,
-                                                               self._cat.prices[self._asin], self._options)
+                self._score, self._reward_info = webshop_score(
+                    self._product(), self._goal, self._cat.prices[self._asin], self._options
+                )
                 self._page = "done"
             else:
                 self._options[target] = arg
@@ -405,8 +491,16 @@ class WebShopEnv(ReplayEnv):
             parts = ["WebShop", "Instruction:", instr, "Search"]
         elif self._page == "done":
             p = self._product()
-            parts = ["Thank you for shopping with us!", "Purchased", "asin", p["asin"], "options",
-                     json.dumps(self._options), "Your score (min 0.0, max 1.0)", f"{self._score}"]
+            parts = [
+                "Thank you for shopping with us!",
+                "Purchased",
+                "asin",
+                p["asin"],
+                "options",
+                json.dumps(self._options),
+                "Your score (min 0.0, max 1.0)",
+                f"{self._score}",
+            ]
         else:
             parts = ["Instruction:", instr, "Back to Search"]
             if self._page == "results":
@@ -421,8 +515,15 @@ class WebShopEnv(ReplayEnv):
                 parts += ["< Prev"] + [f"You have clicked {v}." for v in self._options.values()]
                 for name, values in p["options"].items():
                     parts += [name, *values]
-                parts += [p["Title"], f"Price: {p['Price']}", f"Rating: {p['Rating']}", "Description", "Features",
-                          "Reviews", "Buy Now"]
+                parts += [
+                    p["Title"],
+                    f"Price: {p['Price']}",
+                    f"Rating: {p['Rating']}",
+                    "Description",
+                    "Features",
+                    "Reviews",
+                    "Buy Now",
+                ]
             else:
                 p = self._product()
                 parts += ["< Prev"]

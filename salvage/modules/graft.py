@@ -127,22 +127,36 @@ class GRAFTModule(L.LightningModule):
             raise ValueError(f"model.delta={delta!r} must be in (0, 1]")
         if rho <= 0:
             raise ValueError(f"model.rho={rho!r} must be > 0")
-        for key, val, allowed in (("selection", selection, ("complementary", "random")),
-                                  ("peer_filter", peer_filter, ("all", "success")),
-                                  ("peer_advantage", peer_advantage, ("source", "pooled")),
-                                  ("admission", admission, ("compat", "random")),
-                                  ("peer_loss", peer_loss, ("clip", "luffy")),
-                                  ("mode", mode, ("graft", "sgt", "hacpo"))):
+        for key, val, allowed in (
+            ("selection", selection, ("complementary", "random")),
+            ("peer_filter", peer_filter, ("all", "success")),
+            ("peer_advantage", peer_advantage, ("source", "pooled")),
+            ("admission", admission, ("compat", "random")),
+            ("peer_loss", peer_loss, ("clip", "luffy")),
+            ("mode", mode, ("graft", "sgt", "hacpo")),
+        ):
             if val not in allowed:
                 raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
         if not 0 <= p_admit <= 1:
             raise ValueError(f"model.p_admit={p_admit!r} must be in [0, 1]")
         self.automatic_optimization = False
-        common = dict(weight_decay=weight_decay, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size,
-                      clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg, kl_coef=kl_coef,
-                      max_grad_norm=max_grad_norm, shuffle_minibatches=False, seed=seed, fsdp=fsdp)
+        common = dict(
+            weight_decay=weight_decay,
+            num_minibatches=num_minibatches,
+            micro_batch_size=micro_batch_size,
+            clip_eps_low=clip_eps_low,
+            clip_eps_high=clip_eps_high,
+            loss_agg=loss_agg,
+            kl_coef=kl_coef,
+            max_grad_norm=max_grad_norm,
+            shuffle_minibatches=False,
+            seed=seed,
+            fsdp=fsdp,
+        )
         self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **common)
-        self.b = GRPOModule(policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1), lr=lr_b or lr, **common)
+        self.b = GRPOModule(
+            policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1), lr=lr_b or lr, **common
+        )
         self.save_hyperparameters(ignore=["policy_a", "policy_b", "fsdp"])
         self.hparams["fsdp"] = self.a.hparams["fsdp"]
         self.hparams["policy_a"] = self.a.hparams["policy"]
@@ -173,18 +187,34 @@ class GRAFTModule(L.LightningModule):
         return [self.a.configure_optimizers(), self.b.configure_optimizers()]
 
     def on_fit_start(self) -> None:
-        self._records = run_file(self.trainer, "exchange")  # on every rank (log_dir is a collective)
+        self._records = run_file(
+            self.trainer, "exchange"
+        )  # on every rank (log_dir is a collective)
         for lr in (self.a, self.b):
             lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
             if lr.ref_model is not None:
                 lr.ref_model.to(self.device)
 
     # ------------------------------------------------------------------ exchange
-    def receive(self, src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule,
-                rng: random.Random | None = None, bar: Any = None) -> list[float]:
+    def receive(
+        self,
+        src: RolloutBatch,
+        dst: RolloutBatch,
+        prompts: list[int],
+        receiver: GRPOModule,
+        rng: random.Random | None = None,
+        bar: Any = None,
+    ) -> list[float]:
         """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted."""
-        return transplant(src, dst, prompts, receiver, dict(self.hparams), rng or random.Random(self.hparams.seed),
-                          bar)
+        return transplant(
+            src,
+            dst,
+            prompts,
+            receiver,
+            dict(self.hparams),
+            rng or random.Random(self.hparams.seed),
+            bar,
+        )
 
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
         is_peer = [bool(g.info.get("peer")) for g in batch.groups]
@@ -207,8 +237,12 @@ class GRAFTModule(L.LightningModule):
             tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
             if hp.selection == "random":  # count-matched random prompts
                 q = list(range(len(k_a)))
-                tr = Transfers(sorted(rng.sample(q, len(tr.a_to_b))), sorted(rng.sample(q, len(tr.b_to_a))),
-                               tr.m_ab, tr.m_ba)
+                tr = Transfers(
+                    sorted(rng.sample(q, len(tr.a_to_b))),
+                    sorted(rng.sample(q, len(tr.b_to_a))),
+                    tr.m_ab,
+                    tr.m_ba,
+                )
                 overlap = set(tr.a_to_b) & set(tr.b_to_a)
                 tr.b_to_a = [x for x in tr.b_to_a if x not in overlap]  # a prompt goes one way only
         else:
@@ -216,8 +250,12 @@ class GRAFTModule(L.LightningModule):
         # B receives from A and A from B, each from the other's own (pre-exchange) groups
         own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
         own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
-        with gathered(self.a.policy, self.b.policy), stage(  # receiver likelihoods: local forwards under FSDP
-                "GRAFT exchange", total=len(tr.a_to_b) + len(tr.b_to_a), unit="group") as bar:
+        with (
+            gathered(self.a.policy, self.b.policy),
+            stage(  # receiver likelihoods: local forwards under FSDP
+                "GRAFT exchange", total=len(tr.a_to_b) + len(tr.b_to_a), unit="group"
+            ) as bar,
+        ):
             w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar)
             w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar)
         self._order(ra, rng)
@@ -225,23 +263,37 @@ class GRAFTModule(L.LightningModule):
         va, vb = self._update_both(ra, rb)
         weights = w_a + w_b
         values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
-        values.update({
-            "graft/transferred_a_to_b": float(len(tr.a_to_b)),
-            "graft/transferred_b_to_a": float(len(tr.b_to_a)),
-            "graft/complementary_a_to_b": float(tr.m_ab),
-            "graft/complementary_b_to_a": float(tr.m_ba),
-            "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights)) if weights else 0.0,
-            "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
-        })
+        values.update(
+            {
+                "graft/transferred_a_to_b": float(len(tr.a_to_b)),
+                "graft/transferred_b_to_a": float(len(tr.b_to_a)),
+                "graft/complementary_a_to_b": float(tr.m_ab),
+                "graft/complementary_b_to_a": float(tr.m_ba),
+                "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights))
+                if weights
+                else 0.0,
+                "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
+            }
+        )
         peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
         if peer:
             values["graft/peer_clip_frac"] = sum(peer) / len(peer)
         self._step_log.update(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
-        self._write({"step": self.global_step - 1, "a_to_b": tr.a_to_b, "b_to_a": tr.b_to_a, "m_ab": tr.m_ab,
-                     "m_ba": tr.m_ba, "weights": weights})
+        self._write(
+            {
+                "step": self.global_step - 1,
+                "a_to_b": tr.a_to_b,
+                "b_to_a": tr.b_to_a,
+                "m_ab": tr.m_ab,
+                "m_ba": tr.m_ba,
+                "weights": weights,
+            }
+        )
 
-    def _update_both(self, ra: RolloutBatch, rb: RolloutBatch) -> tuple[dict[str, float], dict[str, float]]:
+    def _update_both(
+        self, ra: RolloutBatch, rb: RolloutBatch
+    ) -> tuple[dict[str, float], dict[str, float]]:
         (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
         va = self.a.update(ra, opt_a, sch_a, self.global_step, count_step=False)
         vb = self.b.update(rb, opt_b, sch_b, self.global_step, count_step=True)
@@ -265,8 +317,12 @@ class GRAFTModule(L.LightningModule):
             counts[name] = len(targets)
         va, vb = self._update_both(ra, rb)
         values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
-        values.update({"graft/transferred_a_to_b": float(counts["a_to_b"]),
-                       "graft/transferred_b_to_a": float(counts["b_to_a"])})
+        values.update(
+            {
+                "graft/transferred_a_to_b": float(counts["a_to_b"]),
+                "graft/transferred_b_to_a": float(counts["b_to_a"]),
+            }
+        )
         self._step_log.update(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
 
@@ -324,8 +380,15 @@ class GRAFTModule(L.LightningModule):
         self._eval_end("eval")
 
 
-def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receiver: GRPOModule, opts: dict[str, Any],
-               rng: random.Random, bar: Any = None) -> list[float]:
+def transplant(
+    src: RolloutBatch,
+    dst: RolloutBatch,
+    prompts: list[int],
+    receiver: GRPOModule,
+    opts: dict[str, Any],
+    rng: random.Random,
+    bar: Any = None,
+) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
     ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, p_admit, peer_loss (GRAFTModule's
@@ -350,11 +413,19 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
         for t in peers:
             turn = t.turns[0]
             ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
-            if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # it ended, not truncated
+            if (
+                turn.finish_reason == "stop" and tok.eos_token_id is not None
+            ):  # it ended, not truncated
                 ids.append(int(tok.eos_token_id))
             resp.append(ids or [int(tok.eos_token_id)])
-        old = response_logprobs(receiver.policy, [prompt] * len(resp), resp, int(tok.pad_token_id),
-                                temperature=dst.temperature, batch_size=receiver.hparams.micro_batch_size)
+        old = response_logprobs(
+            receiver.policy,
+            [prompt] * len(resp),
+            resp,
+            int(tok.pad_token_id),
+            temperature=dst.temperature,
+            batch_size=receiver.hparams.micro_batch_size,
+        )
         trajs = []
         for t, ids, lp in zip(peers, resp, old, strict=True):
             s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
@@ -365,16 +436,36 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
             else:
                 w = compat_weight(s, hp.delta, hp.gate, hp.floor)
             weights.append(w)
-            trajs.append(Trajectory(
-                turns=[Turn(prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text)],
-                reward=t.reward, success=t.success, advantage=t.advantage, weight=w, source="peer",
-                info={"compat": s, "loss": "hacpo" if hacpo else hp.peer_loss,
-                      "src_mean": mean_logprob(t.turns[0].logprobs)},
-            ))
+            trajs.append(
+                Trajectory(
+                    turns=[
+                        Turn(
+                            prompt_ids=prompt,
+                            response_ids=ids,
+                            logprobs=lp,
+                            response_text=t.turns[0].response_text,
+                        )
+                    ],
+                    reward=t.reward,
+                    success=t.success,
+                    advantage=t.advantage,
+                    weight=w,
+                    source="peer",
+                    info={
+                        "compat": s,
+                        "loss": "hacpo" if hacpo else hp.peer_loss,
+                        "src_mean": mean_logprob(t.turns[0].logprobs),
+                    },
+                )
+            )
         if hacpo:  # receiver || peer, capability-weighted baseline
             own = list(dg.trajectories)
-            a_own, a_peer = capability_advantages(torch.tensor([t.reward for t in own]),
-                                                  torch.tensor([t.reward for t in trajs]), cap_recv, cap_src)
+            a_own, a_peer = capability_advantages(
+                torch.tensor([t.reward for t in own]),
+                torch.tensor([t.reward for t in trajs]),
+                cap_recv,
+                cap_src,
+            )
             for t, a in zip(own, a_own.tolist(), strict=True):
                 t.advantage = a
             for t, a in zip(trajs, a_peer.tolist(), strict=True):
@@ -382,14 +473,19 @@ def transplant(src: RolloutBatch, dst: RolloutBatch, prompts: list[int], receive
             trajs = own + trajs
         elif hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
             own = list(dg.trajectories)
-            a_own, a_peer = pooled_advantages(torch.tensor([t.reward for t in own]),
-                                              torch.tensor([t.reward for t in trajs]), eps=1e-6)
+            a_own, a_peer = pooled_advantages(
+                torch.tensor([t.reward for t in own]),
+                torch.tensor([t.reward for t in trajs]),
+                eps=1e-6,
+            )
             for t, a in zip(own, a_own.tolist(), strict=True):
                 t.advantage = a
             for t, a in zip(trajs, a_peer.tolist(), strict=True):
                 t.advantage = a
             trajs = own + trajs
-        dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True})
+        dst.groups[q] = Group(
+            task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True}
+        )
         if bar is not None:
             bar.advance(1)
     return weights

@@ -142,17 +142,29 @@ class GRPOModule(L.LightningModule):
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         _check(lr > 0, "model.lr", lr, "must be > 0")
-        _check(lr_schedule in LR_SCHEDULES, "model.lr_schedule", lr_schedule, f"must be one of {LR_SCHEDULES}")
+        _check(
+            lr_schedule in LR_SCHEDULES,
+            "model.lr_schedule",
+            lr_schedule,
+            f"must be one of {LR_SCHEDULES}",
+        )
         _check(warmup_steps >= 0, "model.warmup_steps", warmup_steps, "must be >= 0")
         _check(0 <= min_lr_ratio <= 1, "model.min_lr_ratio", min_lr_ratio, "must be in [0, 1]")
         _check(num_minibatches >= 1, "model.num_minibatches", num_minibatches, "must be >= 1")
         _check(micro_batch_size >= 1, "model.micro_batch_size", micro_batch_size, "must be >= 1")
         _check(0 <= clip_eps_low < 1, "model.clip_eps_low", clip_eps_low, "must be in [0, 1)")
         _check(clip_eps_high >= 0, "model.clip_eps_high", clip_eps_high, "must be >= 0")
-        _check(loss_agg in AGGREGATIONS, "model.loss_agg", loss_agg, f"must be one of {AGGREGATIONS}")
+        _check(
+            loss_agg in AGGREGATIONS, "model.loss_agg", loss_agg, f"must be one of {AGGREGATIONS}"
+        )
         _check(kl_coef >= 0, "model.kl_coef", kl_coef, "must be >= 0")
         _check(max_grad_norm >= 0, "model.max_grad_norm", max_grad_norm, "must be >= 0")
-        _check(max_nonfinite_in_a_row >= 1, "model.max_nonfinite_in_a_row", max_nonfinite_in_a_row, "must be >= 1")
+        _check(
+            max_nonfinite_in_a_row >= 1,
+            "model.max_nonfinite_in_a_row",
+            max_nonfinite_in_a_row,
+            "must be >= 1",
+        )
         self.spec = policy or PolicySpec()
         self.fsdp = fsdp or FSDPConfig()
         # explicit (no frame inspection): the module may be built inside another's __init__
@@ -255,7 +267,11 @@ class GRPOModule(L.LightningModule):
             return (step + 1) / hp.warmup_steps
         if hp.lr_schedule == "constant":
             return 1.0
-        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        total = (
+            self.trainer.max_steps
+            if self._trainer is not None and self.trainer.max_steps > 0
+            else None
+        )
         total = total or self.total_steps_hint
         if not total or total <= hp.warmup_steps:
             return 1.0
@@ -284,7 +300,9 @@ class GRPOModule(L.LightningModule):
                         seq=seq,
                         peer=traj.source != "self",
                         luffy=traj.info.get("loss") == "luffy",
-                        hacpo_src=traj.info.get("src_mean") if traj.info.get("loss") == "hacpo" else None,
+                        hacpo_src=traj.info.get("src_mean")
+                        if traj.info.get("loss") == "hacpo"
+                        else None,
                     )
                 )
             per_traj.append(idx)
@@ -317,9 +335,18 @@ class GRPOModule(L.LightningModule):
         self.record(values)
         for k in ("rollout/reward_mean", "loss/policy"):
             if k in values:
-                self.log(k.split("/")[1], values[k], on_step=True, on_epoch=False, prog_bar=True, logger=False)
+                self.log(
+                    k.split("/")[1],
+                    values[k],
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=True,
+                    logger=False,
+                )
 
-    def update(self, batch: RolloutBatch, opt: Any, sched: Any, step: int, count_step: bool = True) -> dict[str, float]:
+    def update(
+        self, batch: RolloutBatch, opt: Any, sched: Any, step: int, count_step: bool = True
+    ) -> dict[str, float]:
         """One RL update of this policy on ``batch``; returns the step's metrics.
 
         ``opt``/``sched`` are this policy's (Lightning-wrapped) optimiser and scheduler;
@@ -423,7 +450,9 @@ class GRPOModule(L.LightningModule):
         self.backward_loss(loss)
         return True
 
-    def _minibatches(self, per_traj: list[list[int]], batch: RolloutBatch | None = None) -> list[list[int]]:
+    def _minibatches(
+        self, per_traj: list[list[int]], batch: RolloutBatch | None = None
+    ) -> list[list[int]]:
         fixed = batch.extras.get("minibatch_groups") if batch is not None else None
         if fixed is not None:
             # the caller fixed the minibatches by groups (GRAFT's peer-last order)
@@ -448,8 +477,13 @@ class GRPOModule(L.LightningModule):
         for s in range(0, len(rows), mbs):
             part = rows[s : s + mbs]
             tb = self.collate(part)
-            lp = token_logprobs(self.ref_model, tb.input_ids, tb.attention_mask, temperature,
-                                first=min(r.start for r in part))
+            lp = token_logprobs(
+                self.ref_model,
+                tb.input_ids,
+                tb.attention_mask,
+                temperature,
+                first=min(r.start for r in part),
+            )
             out.extend(lp[i] for i in range(len(part)))
         return out
 
@@ -472,9 +506,18 @@ class GRPOModule(L.LightningModule):
         _, n_world = world()
         scale = 1.0
         if n_world > 1:
-            local = aggregation_denominator(_ragged_mask(lengths), seq, hp.loss_agg) if rows else 0.0
+            local = (
+                aggregation_denominator(_ragged_mask(lengths), seq, hp.loss_agg) if rows else 0.0
+            )
             scale = global_scale(local, all_reduce([local])[0], n_world)
-        stats = {"policy": 0.0, "kl": 0.0, "clip": 0.0, "ratio": 0.0, "peer_clip": 0.0, "peer_w": 0.0}
+        stats = {
+            "policy": 0.0,
+            "kl": 0.0,
+            "clip": 0.0,
+            "ratio": 0.0,
+            "peer_clip": 0.0,
+            "peer_w": 0.0,
+        }
         mbs = hp.micro_batch_size
         finite = True
         for c in range(lockstep(-(-len(rows) // mbs))):
@@ -487,20 +530,32 @@ class GRPOModule(L.LightningModule):
                 continue
             tb = self.collate(part)
             # the LM head runs from the first response position of the micro-batch on
-            lp = token_logprobs(self.policy, tb.input_ids, tb.attention_mask, temperature,
-                                first=min(r.start for r in part))
+            lp = token_logprobs(
+                self.policy,
+                tb.input_ids,
+                tb.attention_mask,
+                temperature,
+                first=min(r.start for r in part),
+            )
             loss_tok, ratio, clipped = clipped_surrogate(
                 lp, tb.old_logprobs, tb.advantages, hp.clip_eps_low, hp.clip_eps_high
             )
-            if any(r.luffy for r in part):  # LUFFY-style peer tokens (GRAFT baseline): f(p) A, no ratio
+            if any(
+                r.luffy for r in part
+            ):  # LUFFY-style peer tokens (GRAFT baseline): f(p) A, no ratio
                 lm = torch.tensor([r.luffy for r in part], device=lp.device)[:, None]
                 loss_tok = torch.where(lm, luffy_token_loss(lp, tb.advantages), loss_tok)
                 clipped = torch.where(lm, torch.zeros_like(clipped), clipped)
-            if any(r.hacpo_src is not None for r in part):  # HACPO peer rows: sequence-level clipped ratio
-                hm = torch.tensor([r.hacpo_src is not None for r in part], device=lp.device)[:, None]
+            if any(
+                r.hacpo_src is not None for r in part
+            ):  # HACPO peer rows: sequence-level clipped ratio
+                hm = torch.tensor([r.hacpo_src is not None for r in part], device=lp.device)[
+                    :, None
+                ]
                 src = torch.tensor([r.hacpo_src or 0.0 for r in part], device=lp.device)
-                h_loss, h_clip = hacpo_token_loss(lp, tb.response_mask, src, tb.advantages,
-                                                  hacpo_clip_range(self._step)[0])
+                h_loss, h_clip = hacpo_token_loss(
+                    lp, tb.response_mask, src, tb.advantages, hacpo_clip_range(self._step)[0]
+                )
                 loss_tok = torch.where(hm, h_loss, loss_tok)
                 clipped = torch.where(hm, h_clip, clipped)
             aw = torch.zeros_like(lp)
@@ -539,7 +594,9 @@ class GRPOModule(L.LightningModule):
             self.step_metrics.update("train/skipped_updates", 1.0)
             log.warning(
                 "step %d: non-finite %s; minibatch update skipped (%d in a row)",
-                self._step, "loss" if not finite else "gradient", self._nonfinite_in_a_row,
+                self._step,
+                "loss" if not finite else "gradient",
+                self._nonfinite_in_a_row,
             )
             if self._nonfinite_in_a_row >= hp.max_nonfinite_in_a_row:
                 raise NonFiniteLossError(
@@ -556,7 +613,9 @@ class GRPOModule(L.LightningModule):
         self.step_metrics.update("loss/policy", stats["policy"], n_tok)
         self.step_metrics.update("loss/clip_frac", stats["clip"], n_tok)
         if stats["peer_w"] > 0:
-            self.step_metrics.update("loss/peer_clip_frac", stats["peer_clip"] / stats["peer_w"], stats["peer_w"])
+            self.step_metrics.update(
+                "loss/peer_clip_frac", stats["peer_clip"] / stats["peer_w"], stats["peer_w"]
+            )
         self.step_metrics.update("loss/ratio_mean", stats["ratio"], n_tok)
         if ref_lp is not None:
             self.step_metrics.update("loss/kl", stats["kl"], n_tok)
@@ -588,7 +647,9 @@ class GRPOModule(L.LightningModule):
     def _finish_update(self, opt: Any, sched: Any) -> dict[str, float]:
         if sched is not None:
             sched.step()
-        if self.policy is not None:  # engines holding a copy of the weights (vLLM) re-sync on a new version
+        if (
+            self.policy is not None
+        ):  # engines holding a copy of the weights (vLLM) re-sync on a new version
             self.policy._salvage_version = getattr(self.policy, "_salvage_version", 0) + 1
         values = self.step_metrics.compute()
         values["train/lr"] = float(opt.param_groups[0]["lr"])
@@ -656,11 +717,19 @@ class GRPOModule(L.LightningModule):
         if len(acc) < 1:
             return
         names = sorted(acc)
-        t = torch.tensor([[acc[n][0], acc[n][1]] for n in names], dtype=torch.float64, device=self.device)
+        t = torch.tensor(
+            [[acc[n][0], acc[n][1]] for n in names], dtype=torch.float64, device=self.device
+        )
         if self.trainer.world_size > 1:
             t = self.all_gather(t).sum(0)
         per = (t[:, 0] / t[:, 1].clamp(min=1)).tolist()
-        self.log(f"{prefix}/aggregate", sum(per) / len(per), on_step=False, on_epoch=True, rank_zero_only=True)
+        self.log(
+            f"{prefix}/aggregate",
+            sum(per) / len(per),
+            on_step=False,
+            on_epoch=True,
+            rank_zero_only=True,
+        )
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -674,10 +743,23 @@ class GRPOModule(L.LightningModule):
         n = len(trajs)
         if not n:
             return
-        self.log(f"{prefix}/success", sum(t.success for t in trajs) / n, on_step=False, on_epoch=True,
-                 batch_size=n, sync_dist=True)
+        self.log(
+            f"{prefix}/success",
+            sum(t.success for t in trajs) / n,
+            on_step=False,
+            on_epoch=True,
+            batch_size=n,
+            sync_dist=True,
+        )
         lens = sum(t.num_response_tokens for t in trajs) / n
-        self.log(f"{prefix}/response_len", lens, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+        self.log(
+            f"{prefix}/response_len",
+            lens,
+            on_step=False,
+            on_epoch=True,
+            batch_size=n,
+            sync_dist=True,
+        )
         by_family: dict[str, list[float]] = {}
         for g in batch.groups:
             fam = g.task.get("family")
@@ -687,8 +769,13 @@ class GRPOModule(L.LightningModule):
         if acc is None:
             acc = self._eval_acc = {}
         for fam, vals in by_family.items():
-            self.log(f"{prefix}/success/{fam}", sum(vals) / len(vals), on_step=False, on_epoch=True,
-                     batch_size=len(vals))
+            self.log(
+                f"{prefix}/success/{fam}",
+                sum(vals) / len(vals),
+                on_step=False,
+                on_epoch=True,
+                batch_size=len(vals),
+            )
             a = acc.setdefault(fam, [0.0, 0.0])
             a[0] += sum(vals)
             a[1] += len(vals)

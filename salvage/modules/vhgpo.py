@@ -22,8 +22,15 @@ from salvage.lm import pad_right, token_logprobs
 from salvage.modules.grpo import TRAIN_METRICS, GRPOModule
 from salvage.types import RelayData, RolloutBatch, SeqTarget
 
-AUX_METRICS = ("loss/pair", "loss/bridge", "loss/resume", "loss/aux", "relay/pairs", "relay/bridge_turns",
-               "relay/resume_turns")
+AUX_METRICS = (
+    "loss/pair",
+    "loss/bridge",
+    "loss/resume",
+    "loss/aux",
+    "relay/pairs",
+    "relay/bridge_turns",
+    "relay/resume_turns",
+)
 
 
 class VHGPOModule(GRPOModule):
@@ -45,15 +52,25 @@ class VHGPOModule(GRPOModule):
         lambda_resume: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        for key, val in (("lambda_pair", lambda_pair), ("lambda_bridge", lambda_bridge),
-                         ("lambda_resume", lambda_resume)):
+        for key, val in (
+            ("lambda_pair", lambda_pair),
+            ("lambda_bridge", lambda_bridge),
+            ("lambda_resume", lambda_resume),
+        ):
             if val < 0:
                 raise ValueError(f"model.{key}={val!r} must be >= 0")
         if beta <= 0:
             raise ValueError(f"model.beta={beta!r} must be > 0")
         super().__init__(**kwargs)
-        self.save_hyperparameters({**self.hparams, "beta": beta, "lambda_pair": lambda_pair,
-                                   "lambda_bridge": lambda_bridge, "lambda_resume": lambda_resume})
+        self.save_hyperparameters(
+            {
+                **self.hparams,
+                "beta": beta,
+                "lambda_pair": lambda_pair,
+                "lambda_bridge": lambda_bridge,
+                "lambda_resume": lambda_resume,
+            }
+        )
 
     def needs_reference(self) -> bool:
         return super().needs_reference() or self.hparams.lambda_pair > 0
@@ -64,8 +81,11 @@ class VHGPOModule(GRPOModule):
     # ------------------------------------------------------------------ scores
     def _scores(self, model: torch.nn.Module, items: list[SeqTarget]) -> torch.Tensor:
         """s(y|h) per item: mean log-prob of the counted response tokens (temperature 1)."""
-        ids, mask = pad_right([t.prompt_ids + t.response_ids for t in items], int(self.tokenizer.pad_token_id),
-                              self.device)
+        ids, mask = pad_right(
+            [t.prompt_ids + t.response_ids for t in items],
+            int(self.tokenizer.pad_token_id),
+            self.device,
+        )
         lp = token_logprobs(model, ids, mask, 1.0)
         count = torch.zeros_like(lp)
         for i, t in enumerate(items):
@@ -88,7 +108,10 @@ class VHGPOModule(GRPOModule):
         total = torch.zeros((), device=self.device)
         m = self.step_metrics
         nan = torch.tensor(float("nan"))
-        for name, lam, items in (("bridge", hp.lambda_bridge, bridge), ("resume", hp.lambda_resume, resume)):
+        for name, lam, items in (
+            ("bridge", hp.lambda_bridge, bridge),
+            ("resume", hp.lambda_resume, resume),
+        ):
             m.update(f"relay/{name}_turns", float(len(items)))
             denom = self.global_count(len(items))  # len(items) on one process
             if lam <= 0 or not denom:

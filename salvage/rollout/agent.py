@@ -41,13 +41,17 @@ class Response:
 class TurnPolicy(Protocol):
     """Answers a batch of agent prompts (text) given each state's env info."""
 
-    def respond(self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int) -> list[Response]: ...
+    def respond(
+        self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int
+    ) -> list[Response]: ...
 
 
 class LMPolicy:
     """An LM behind a rollout engine; prompts go through the tokenizer's chat template."""
 
-    def __init__(self, engine: Any, tokenizer: Any, fmt: AgentFormat, max_prompt_tokens: int = 2048) -> None:
+    def __init__(
+        self, engine: Any, tokenizer: Any, fmt: AgentFormat, max_prompt_tokens: int = 2048
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.fmt = fmt
@@ -61,7 +65,9 @@ class LMPolicy:
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return ids[-self.max_prompt_tokens :]
 
-    def respond(self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int) -> list[Response]:
+    def respond(
+        self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int
+    ) -> list[Response]:
         ids = [self.encode(p) for p in prompts]
         out = generate_with_retry(self.engine, ids, n=1, seed=seed, stop=self.fmt.stop)
         return [
@@ -83,7 +89,9 @@ class OraclePolicy:
     def __init__(self, fmt: AgentFormat) -> None:
         self.fmt = fmt
 
-    def respond(self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int) -> list[Response]:
+    def respond(
+        self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int
+    ) -> list[Response]:
         out = []
         for info in infos:
             a = info.get("oracle_action")
@@ -129,14 +137,25 @@ class Episode:
 
     def state_at(self, depth: int) -> dict[str, Any]:
         """A snapshot of this episode at ``depth`` (plain data, restorable by replay)."""
-        base = self.start.state or {"env": self.env, "task": self.start.task, "seed": self.start.seed,
-                                    "actions": [], "observation": self.observations[0]}
+        base = self.start.state or {
+            "env": self.env,
+            "task": self.start.task,
+            "seed": self.start.seed,
+            "actions": [],
+            "observation": self.observations[0],
+        }
         k = depth - self.start_depth
         if not 0 <= k <= len(self.actions):
-            raise ValueError(f"depth {depth} outside this episode ({self.start_depth}..{self.depth})")
+            raise ValueError(
+                f"depth {depth} outside this episode ({self.start_depth}..{self.depth})"
+            )
         obs = self.observations[k]
-        return {**base, "actions": list(base["actions"]) + self.actions[:k], "observation": obs,
-                "digest": digest(obs)}
+        return {
+            **base,
+            "actions": list(base["actions"]) + self.actions[:k],
+            "observation": obs,
+            "digest": digest(obs),
+        }
 
 
 class AgentRunner:
@@ -153,14 +172,18 @@ class AgentRunner:
         self.time_policy = 0.0
         self.time_env = 0.0
 
-    def run(self, starts: Sequence[Start], policy: TurnPolicy, seed: int, train: bool = True) -> list[Episode]:
+    def run(
+        self, starts: Sequence[Start], policy: TurnPolicy, seed: int, train: bool = True
+    ) -> list[Episode]:
         eps = [Episode(next(self._eids), s, env=self.pool.env_name) for s in starts]
         with stage(f"{self.pool.env_name} episodes", total=len(eps), unit="episode") as bar:
             self._loop(eps, policy, seed, train, bar)
         self.pool.release([e.eid for e in eps])
         return eps
 
-    def _loop(self, eps: list[Episode], policy: TurnPolicy, seed: int, train: bool, bar: Any) -> None:
+    def _loop(
+        self, eps: list[Episode], policy: TurnPolicy, seed: int, train: bool, bar: Any
+    ) -> None:
         self._begin(eps)
         bar.advance(sum(e.done for e in eps))
         turn = 0
@@ -180,11 +203,21 @@ class AgentRunner:
             for e, p, r in zip(live, prompts, resp, strict=True):
                 action, valid = parse_action(r.text, self.fmt)
                 t = e.depth
-                e.turns.append(Turn(
-                    prompt_ids=r.prompt_ids, response_ids=r.response_ids, logprobs=r.logprobs,
-                    response_text=r.text, prompt_text=p, action=action, valid=valid, depth=t,
-                    budget=self.max_turns - t, finish_reason=r.finish_reason, train=train,
-                ))
+                e.turns.append(
+                    Turn(
+                        prompt_ids=r.prompt_ids,
+                        response_ids=r.response_ids,
+                        logprobs=r.logprobs,
+                        response_text=r.text,
+                        prompt_text=p,
+                        action=action,
+                        valid=valid,
+                        depth=t,
+                        budget=self.max_turns - t,
+                        finish_reason=r.finish_reason,
+                        train=train,
+                    )
+                )
                 steps.append((e.eid, action))
             results = self.pool.step(steps)
             self.time_env += time.perf_counter() - t1
@@ -209,7 +242,10 @@ class AgentRunner:
         """Replay action lists from the initial state (lockstep); True where it ends won."""
         eids = [next(self._eids) for _ in items]
         won = [False] * len(items)
-        alive = [r.ok for r in self.pool.reset([(e, t, s) for e, (t, s, _) in zip(eids, items, strict=True)])]
+        alive = [
+            r.ok
+            for r in self.pool.reset([(e, t, s) for e, (t, s, _) in zip(eids, items, strict=True)])
+        ]
         longest = max((len(a) for _, _, a in items), default=0)
         for k in range(longest):
             idx = [i for i, (_, _, a) in enumerate(items) if alive[i] and k < len(a)]
@@ -233,7 +269,11 @@ class AgentRunner:
     def _begin(self, eps: list[Episode]) -> None:
         fresh = [e for e in eps if e.start.state is None]
         restored = [e for e in eps if e.start.state is not None]
-        for e, res in zip(fresh, self.pool.reset([(e.eid, e.start.task, e.start.seed) for e in fresh]), strict=True):
+        for e, res in zip(
+            fresh,
+            self.pool.reset([(e.eid, e.start.task, e.start.seed) for e in fresh]),
+            strict=True,
+        ):
             self._opened(e, res, depth=0)
         results = self.pool.restore([(e.eid, e.start.state) for e in restored])
         for e, res in zip(restored, results, strict=True):
@@ -252,8 +292,13 @@ class AgentRunner:
     def _prompt(self, e: Episode) -> str:
         task = e.info.get("task_description") or e.start.task.get("description", "")
         return render_prompt(
-            self.fmt, task, e.history, e.observations[-1], list(e.info.get("admissible", [])),
-            step=e.depth, budget=self.max_turns - e.depth,
+            self.fmt,
+            task,
+            e.history,
+            e.observations[-1],
+            list(e.info.get("admissible", [])),
+            step=e.depth,
+            budget=self.max_turns - e.depth,
         )
 
     def to_trajectory(self, e: Episode) -> Trajectory:
@@ -261,8 +306,14 @@ class AgentRunner:
             turns=e.turns,
             reward=trajectory_reward(e.won, e.n_invalid, self.fmt),
             success=e.won,
-            info={"eid": e.eid, "family": e.start.task.get("family"), "error": e.error,
-                  "n_invalid": e.n_invalid, "depth": e.depth, "episode": e},
+            info={
+                "eid": e.eid,
+                "family": e.start.task.get("family"),
+                "error": e.error,
+                "n_invalid": e.n_invalid,
+                "depth": e.depth,
+                "episode": e,
+            },
         )
 
 

@@ -48,23 +48,37 @@ class EngineConfig:
         if self.batch_size < 1 or self.logprob_batch_size < 1:
             raise ValueError("engine.batch_size and engine.logprob_batch_size must be >= 1")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.vllm_gpu_memory_utilization}")
+            raise ValueError(
+                f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "
+                f"{self.vllm_gpu_memory_utilization}"
+            )
         if self.vllm_sleep_level not in (0, 1, 2):
-            raise ValueError(f"engine.vllm_sleep_level must be 0, 1 or 2, got {self.vllm_sleep_level}")
+            raise ValueError(
+                f"engine.vllm_sleep_level must be 0, 1 or 2, got {self.vllm_sleep_level}"
+            )
 
 
-def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False) -> Any:
+def build_engine(
+    cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False
+) -> Any:
     """The engine ``cfg.backend`` names, sampling from ``model`` (``frozen``: a teacher, never re-synced)."""
     if cfg.backend == "vllm":
         from salvage.rollout.vllm import VLLMEngine  # lazy: vllm is an optional GPU extra
 
         return VLLMEngine(
-            model, tokenizer, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-            stop=cfg.stop, logprob_batch_size=cfg.logprob_batch_size,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, sleep_level=cfg.vllm_sleep_level,
-            recompute_logprobs=cfg.vllm_recompute_logprobs, max_model_len=cfg.vllm_max_model_len,
-            dtype=cfg.vllm_dtype, frozen=frozen,
+            model,
+            tokenizer,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=cfg.stop,
+            logprob_batch_size=cfg.logprob_batch_size,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            sleep_level=cfg.vllm_sleep_level,
+            recompute_logprobs=cfg.vllm_recompute_logprobs,
+            max_model_len=cfg.vllm_max_model_len,
+            dtype=cfg.vllm_dtype,
+            frozen=frozen,
         )
     if cfg.backend == "hf":
         from salvage.rollout.hf import HFEngine
@@ -82,17 +96,26 @@ def build_engine(cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, froz
     raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
 
 
-def call_settings(engine: Any, seed: int | None, temperature: float | None, top_p: float | None,
-                  max_new_tokens: int | None, stop: Any) -> tuple[int, float, float, int, tuple[str, ...]]:
+def call_settings(
+    engine: Any,
+    seed: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    max_new_tokens: int | None,
+    stop: Any,
+) -> tuple[int, float, float, int, tuple[str, ...]]:
     """One ``generate`` call's settings: the call's overrides, else the engine's own; an unseeded
     call takes the engine's call counter as its seed (and every call advances it)."""
     if seed is None:
         seed = engine._calls
     engine._calls += 1
-    return (seed, engine.temperature if temperature is None else temperature,
-            engine.top_p if top_p is None else top_p,
-            engine.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            engine.stop if stop is None else tuple(stop))
+    return (
+        seed,
+        engine.temperature if temperature is None else temperature,
+        engine.top_p if top_p is None else top_p,
+        engine.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        engine.stop if stop is None else tuple(stop),
+    )
 
 
 class RolloutEngineError(RuntimeError):

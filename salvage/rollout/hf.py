@@ -85,7 +85,9 @@ class HFEngine:
         max_new_tokens: int | None = None,
         stop: Sequence[str] | None = None,
     ) -> list[list[Sample]]:
-        seed, temperature, top_p, max_new, stop = call_settings(self, seed, temperature, top_p, max_new_tokens, stop)
+        seed, temperature, top_p, max_new, stop = call_settings(
+            self, seed, temperature, top_p, max_new_tokens, stop
+        )
 
         t0 = time.perf_counter()
         flat = [list(p) for p in prompts for _ in range(n)]
@@ -169,5 +171,10 @@ class HFEngine:
         if reason == "length" and len(ids) < max_new:
             reason = "stop"  # generate ended early through a stopping criterion
         return Sample(
-            prompt_ids=prompt, response_ids=ids, text=text, logprobs=[], finish_reason=reason, seed=seed
+            prompt_ids=prompt,
+            response_ids=ids,
+            text=text,
+            logprobs=[],
+            finish_reason=reason,
+            seed=seed,
         )

@@ -120,8 +120,12 @@ class VLLMEngine:
         self.last_timings: dict[str, float] = {}
         source = self._source(model, tokenizer)
         kwargs: dict[str, Any] = dict(
-            model=source, tokenizer=source, dtype=dtype, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_level > 0,
+            model=source,
+            tokenizer=source,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=sleep_level > 0,
             enable_prefix_caching=True,
         )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -145,8 +149,10 @@ class VLLMEngine:
         if name and (Path(name).is_dir() or "/" in name):
             return name
         out = Path(tempfile.mkdtemp(prefix="salvage-vllm-"))
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                 for k, v in model.state_dict().items()}
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in model.state_dict().items()
+        }
         save: Any = model.save_pretrained  # an HF PreTrainedModel
         save(out, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out)
@@ -162,8 +168,10 @@ class VLLMEngine:
                 obj = getattr(obj, part, None)
             if obj is not None:
                 return obj
-        raise RuntimeError("VLLMEngine: cannot reach the vLLM worker's model to load weights; "
-                           "this vLLM version is not supported (set VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        raise RuntimeError(
+            "VLLMEngine: cannot reach the vLLM worker's model to load weights; "
+            "this vLLM version is not supported (set VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
 
     def prepare(self) -> None:
         """Wake the engine and sync the policy's weights if they changed or were discarded.
@@ -211,19 +219,28 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        seed, temperature, top_p, max_new, stop = call_settings(self, seed, temperature, top_p, max_new_tokens, stop)
+        seed, temperature, top_p, max_new, stop = call_settings(
+            self, seed, temperature, top_p, max_new_tokens, stop
+        )
         if self._asleep or model_version(self.model) != self._synced:
             self.prepare()  # outside a phase (or a gathered policy): no collectives needed
         t0 = time.perf_counter()
         params = [
             SamplingParams(
-                n=n, temperature=temperature, top_p=top_p, max_tokens=max_new,
-                stop=list(stop) or None, include_stop_str_in_output=True, logprobs=0,
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new,
+                stop=list(stop) or None,
+                include_stop_str_in_output=True,
+                logprobs=0,
                 seed=(seed * 1_000_003 + i) % (2**31 - 1),
             )
             for i in range(len(prompts))
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
         if self.frozen:
             self.release()  # a teacher sleeps between its calls
         t1 = time.perf_counter()
@@ -232,16 +249,27 @@ class VLLMEngine:
             group = []
             for c in out.outputs:
                 lps = [float(next(iter(d.values())).logprob) for d in (c.logprobs or [])]
-                group.append(Sample(prompt_ids=list(prompt), response_ids=list(c.token_ids), text=c.text,
-                                    logprobs=lps, finish_reason="length" if c.finish_reason == "length" else "stop",
-                                    seed=seed))
+                group.append(
+                    Sample(
+                        prompt_ids=list(prompt),
+                        response_ids=list(c.token_ids),
+                        text=c.text,
+                        logprobs=lps,
+                        finish_reason="length" if c.finish_reason == "length" else "stop",
+                        seed=seed,
+                    )
+                )
             groups.append(group)
         if self.recompute_logprobs:
             flat = [s for g in groups for s in g]
-            exact = response_logprobs(self.model, [s.prompt_ids for s in flat], [s.response_ids for s in flat],
-                                      int(self.tokenizer.pad_token_id),
-                                      temperature=temperature if temperature > 0 else 1.0,
-                                      batch_size=self.logprob_batch_size)
+            exact = response_logprobs(
+                self.model,
+                [s.prompt_ids for s in flat],
+                [s.response_ids for s in flat],
+                int(self.tokenizer.pad_token_id),
+                temperature=temperature if temperature > 0 else 1.0,
+                batch_size=self.logprob_batch_size,
+            )
             for s, lp in zip(flat, exact, strict=True):
                 s.logprobs = lp
         self.last_timings.update(sample_s=t1 - t0, logprob_s=time.perf_counter() - t1)

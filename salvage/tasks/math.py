@@ -187,11 +187,20 @@ def load_math_tasks(data: MathData) -> tuple[list[MathTask], dict[str, Any]]:
             break
     if skipped:
         log.warning(
-            "%s: skipped %d malformed rows; first: %s", data.source, len(skipped), "; ".join(skipped[:3])
+            "%s: skipped %d malformed rows; first: %s",
+            data.source,
+            len(skipped),
+            "; ".join(skipped[:3]),
         )
     if not tasks:
-        raise ValueError(f"data source {data.source!r} yielded no usable tasks ({len(skipped)} skipped)")
-    return tasks, {"rows": len(tasks) + len(skipped), "skipped": len(skipped), "examples": skipped[:3]}
+        raise ValueError(
+            f"data source {data.source!r} yielded no usable tasks ({len(skipped)} skipped)"
+        )
+    return tasks, {
+        "rows": len(tasks) + len(skipped),
+        "skipped": len(skipped),
+        "examples": skipped[:3],
+    }
 
 
 def _row_to_task(row: Any, i: int, stem: str, data: MathData) -> MathTask:
@@ -216,7 +225,9 @@ def _row_to_task(row: Any, i: int, stem: str, data: MathData) -> MathTask:
     if not answer:
         raise ValueError("empty answer")
     tid = row.get("unique_id") or row.get("id") or row.get("idx")
-    return MathTask(id=f"{stem}/{tid if tid is not None else i}", messages=messages, answer=answer, meta=meta)
+    return MathTask(
+        id=f"{stem}/{tid if tid is not None else i}", messages=messages, answer=answer, meta=meta
+    )
 
 
 def _answer_text(answer: Any) -> str:
