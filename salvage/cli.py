@@ -17,16 +17,40 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
 from salvage.callbacks.summary import RunSummary  # noqa: E402
+from salvage.checkpointing import (  # noqa: E402
+    RESUMABLE_KEYS,
+    RunConfigRecorder,
+    SafeCheckpointIO,
+    config_diff,
+    find_last_checkpoint,
+)
 from salvage.loggers import SafeCSVLogger  # noqa: E402
+
+
+class ResumeError(ValueError):
+    """A resume that would continue another run, or this run under other settings."""
+
+
+def _stored_config(ckpt: Path) -> str | None:
+    """The resolved config YAML a checkpoint was written under (``salvage_config``), if any."""
+    path = ckpt / "meta.pt" if ckpt.is_dir() else ckpt
+    if not path.exists():
+        return None
+    state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=not ckpt.is_dir())
+    return state.get("salvage_config")
 
 
 class SalvageCLI(LightningCLI):
@@ -44,6 +68,75 @@ class SalvageCLI(LightningCLI):
         )
         super().__init__(*args, **kwargs)
 
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--allow_config_change",
+            type=bool,
+            default=False,
+            help="Resume (--ckpt_path) even when the config differs from the checkpoint's in "
+            "keys that are not resumable (the differing keys are printed as a warning).",
+        )
+
+    def _parse_ckpt_path(self) -> None:
+        """Never read settings from a checkpoint into the config.
+
+        LightningCLI merges a checkpoint's hyper-parameters into the config; salvage does not:
+        the user's config and command line decide what runs (the model source and
+        ``trust_remote_code`` included), and a resume is *checked* against the checkpoint's
+        stored config instead (``before_instantiate_classes``).
+        """
+
+    def before_instantiate_classes(self) -> None:
+        sub = self.subcommand
+        if sub is None:
+            return
+        cfg = self.config[sub]
+        if not cfg.trainer.get("default_root_dir"):
+            # one folder per config under runs/, never the current directory itself
+            files = [str(c) for c in (cfg.get("config") or []) if c]
+            stem = Path(files[0]).stem if files else "salvage"
+            cfg.trainer.default_root_dir = os.path.join("runs", stem)
+        root = cfg.trainer.default_root_dir
+        self._run_config_yaml = self._parser(sub).dump(cfg, skip_none=False, skip_validation=True)
+        ckpt = cfg.get("ckpt_path")
+        if ckpt in ("last", "hpc", "registry") or ckpt is None:
+            if ckpt == "last":
+                found = find_last_checkpoint(root)
+                if found is None:
+                    print(
+                        f"salvage: --ckpt_path last: no checkpoint under {root}; starting a new run",
+                        file=sys.stderr,
+                    )
+                    cfg.ckpt_path = None
+                else:
+                    cfg.ckpt_path = str(found)
+            if cfg.get("ckpt_path") in (None, "hpc", "registry"):
+                return
+        path = Path(cfg.ckpt_path)
+        if not path.exists():
+            raise ResumeError(f"--ckpt_path {path}: no such checkpoint")
+        if sub != "fit":
+            return  # evaluating a checkpoint under another config is normal; weights must fit
+        stored = _stored_config(path)
+        if stored is None:
+            print(
+                f"salvage: warning: {path} holds no run config (written by an older salvage); "
+                "resuming without checking that the settings match",
+                file=sys.stderr,
+            )
+            return
+        diff = config_diff(yaml.safe_load(stored) or {}, yaml.safe_load(self._run_config_yaml))
+        if diff:
+            shown = ", ".join(diff[:12]) + (f" (+{len(diff) - 12} more)" if len(diff) > 12 else "")
+            if not cfg.get("allow_config_change"):
+                raise ResumeError(
+                    f"--ckpt_path {path} was written under another config; differing keys: "
+                    f"{shown}. Resume only with the same settings (may change: "
+                    f"{', '.join(k for k in RESUMABLE_KEYS if '.' in k)}), or pass "
+                    "--allow_config_change true"
+                )
+            print(f"salvage: warning: resuming {path} with changed keys: {shown}", file=sys.stderr)
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
         # crash safety: unless the config brings its own ModelCheckpoint, keep `last.ckpt`
         # up to date after every update, so `salvage fit --ckpt_path last` loses one step
@@ -51,23 +144,23 @@ class SalvageCLI(LightningCLI):
         if config.get("enable_checkpointing", True) is not False and not any(
             isinstance(c, ModelCheckpoint) for c in cbs
         ):
-            # one folder per run dir (not per logger version), so "last" is found on resume
-            root = config.get("default_root_dir") or os.getcwd()
+            # no dirpath: Lightning puts it in this run's RUN/version_N/checkpoints (the
+            # logger's version), so two runs in one RUN never share or shadow checkpoints
             callbacks = [
                 *callbacks,
-                ModelCheckpoint(
-                    dirpath=os.path.join(root, "checkpoints"),
-                    save_last=True,
-                    every_n_train_steps=1,
-                    save_top_k=0,
-                ),
+                ModelCheckpoint(save_last=True, every_n_train_steps=1, save_top_k=0),
             ]
+        callbacks = [*callbacks, RunConfigRecorder(getattr(self, "_run_config_yaml", ""))]
+        plugins = config.get("plugins")
+        plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            config["plugins"] = [*plugins, SafeCheckpointIO()]
         return super()._instantiate_trainer(config, callbacks)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         cfg = self._get(self.config_init, "trainer", default={})
         if cfg.get("logger") in (None, True):
-            root = cfg.get("default_root_dir") or os.getcwd()
+            root = cfg.get("default_root_dir") or os.path.join("runs", "salvage")
             kwargs["logger"] = SafeCSVLogger(save_dir=root, name="", flush_logs_every_n_steps=1)
         return super().instantiate_trainer(**kwargs)
 

@@ -5,6 +5,12 @@ hyper-parameters as plain data), rebuilds the policy from its ``PolicySpec``, lo
 trained weights and writes ``config.json``, ``model.safetensors``, ``generation_config.json``
 and the tokenizer, so ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it.
 GRAFT checkpoints hold two policies: pick one with ``--policy a`` or ``--policy b``.
+
+A checkpoint is data, never code: the model source stored in it is used only as a name
+(``--model`` replaces it), remote code runs only with ``--trust_remote_code`` on the command
+line (a checkpoint whose stored settings ask for remote code is refused without it), and the
+export records where its weights and architecture came from in ``salvage_export.json``.
+An existing non-empty ``OUT_DIR`` is refused unless ``--overwrite`` (which clears it first).
 A distributed checkpoint (a directory, written by ``ModelParallelStrategy`` / FSDP2) is
 consolidated on the fly: its shards are merged on one process, no process group needed.
 """
@@ -12,6 +18,8 @@ consolidated on the fly: its shards are merged on one process, no process group 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +51,53 @@ def load_checkpoint(ckpt: str | Path) -> dict[str, Any]:
     return state
 
 
-def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> Path:
+class ExportError(ValueError):
+    """An export that would run code from a checkpoint or mix files in an existing folder."""
+
+
+def _prepare_out_dir(out: Path, ckpt: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export target {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(
+                f"export target {out} is not empty: pass --overwrite to clear it first "
+                "(old and new weight files would otherwise mix)"
+            )
+        resolved = out.resolve()
+        protected = {Path.home().resolve(), Path.cwd().resolve(), Path("/")}
+        if resolved in protected or resolved in ckpt.resolve().parents:
+            raise ExportError(
+                f"--overwrite refuses to clear {out} (it holds the checkpoint or is "
+                "a home / working directory)"
+            )
+        import shutil
+
+        shutil.rmtree(out)
+
+
+def export(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    policy: str | None = None,
+    trust_remote_code: bool = False,
+    model: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write one policy of ``ckpt`` as an HF directory ``out_dir``.
+
+    Args:
+        ckpt: a Lightning checkpoint file or distributed checkpoint directory.
+        out_dir: the HF directory to write.
+        policy: GRAFT checkpoints: ``a`` or ``b``.
+        trust_remote_code: allow the model's own code to run (the user's choice, never the
+            checkpoint's).
+        model: the model source (hub id or local dir) to rebuild the architecture from,
+            instead of the one recorded in the checkpoint.
+        overwrite: clear a non-empty ``out_dir`` first.
+    """
+    out = Path(out_dir)
+    _prepare_out_dir(out, Path(ckpt), overwrite)
     state = load_checkpoint(ckpt)
     hp: dict[str, Any] = state.get("hyper_parameters", {})
     sd: dict[str, torch.Tensor] = state["state_dict"]
@@ -57,22 +111,41 @@ def export(ckpt: str | Path, out_dir: str | Path, policy: str | None = None) -> 
         if policy not in (None, "a"):
             raise ValueError(f"--policy {policy!r}: this checkpoint holds a single policy")
         spec_dict, prefix = hp["policy"], "policy."
-    spec = PolicySpec(**spec_dict)
+    stored = dict(spec_dict)
+    if stored.get("trust_remote_code") and not trust_remote_code and model is None:
+        raise ExportError(
+            f"{ckpt} asks for remote code (policy trust_remote_code: true, model "
+            f"{stored.get('name_or_path')!r}); a checkpoint cannot turn it on: pass "
+            "--trust_remote_code if you trust that model's code, or --model to name the source"
+        )
+    stored["trust_remote_code"] = bool(trust_remote_code)
+    if model is not None:
+        stored["name_or_path"] = model
+    spec = PolicySpec(**stored)
     tok = load_tokenizer(spec)
-    model = load_model(spec, tok)
+    net = load_model(spec, tok)
     weights = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = net.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match {spec.name_or_path!r}: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.requires_grad_(True)
-    model.save_pretrained(out, safe_serialization=True)
+    net.requires_grad_(True)
+    net.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    record = {
+        "checkpoint": str(Path(ckpt).resolve()),
+        "policy": policy or "policy",
+        "global_step": state.get("global_step"),
+        "model_source": spec.name_or_path,
+        "model_source_in_checkpoint": spec_dict.get("name_or_path"),
+        "revision": spec.revision,
+        "trust_remote_code": spec.trust_remote_code,
+    }
+    (out / "salvage_export.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
 
 
@@ -91,5 +164,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--policy", choices=["a", "b"], default=None, help="GRAFT: which of the two policies"
     )
+    ap.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="allow the model's own code to run (never taken from the checkpoint)",
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model source (hub id or local dir) for the architecture and tokenizer, instead "
+        "of the one recorded in the checkpoint",
+    )
+    ap.add_argument("--overwrite", action="store_true", help="clear a non-empty OUT_DIR first")
     a = ap.parse_args(argv)
-    print(f"wrote {export(a.ckpt, a.out_dir, a.policy)}")
+    try:
+        out = export(a.ckpt, a.out_dir, a.policy, a.trust_remote_code, a.model, a.overwrite)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"salvage export: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"wrote {out}")

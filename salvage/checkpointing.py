@@ -1,0 +1,188 @@
+"""Checkpoints that a crash cannot tear, runs that never cross, resumes that are checked.
+
+- ``SafeCheckpointIO``: a checkpoint is written to a partial file *beside* its target, synced,
+  then renamed over it. The rename is atomic on every POSIX filesystem, so the previous
+  checkpoint stays complete until the new one is; nothing is staged in ``$TMPDIR`` (Lightning
+  stages there and moves, which across filesystems is a copy that a kill can cut short).
+  Partial files left by a killed run are removed when the next run sets up.
+- Run layout: every ``salvage fit`` invocation is one ``RUN/version_N`` (the CSV logger's
+  version) and keeps its checkpoints in ``RUN/version_N/checkpoints/``; ``--ckpt_path last``
+  means the newest ``last.ckpt`` of any version of RUN (``find_last_checkpoint``), so a
+  resumed run continues from its own history and a second run in the same RUN never
+  overwrites or shadows the first one's checkpoints.
+- ``RunConfigRecorder`` stores the run's resolved config in every checkpoint
+  (``salvage_config``, plain YAML text); a resume compares it with the new config and refuses
+  a difference outside ``RESUMABLE_KEYS`` (``config_diff``), naming the keys.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+PARTIAL = ".partial-"
+_CHUNK = 1 << 20
+
+# keys that may change between a run and its resume (dotted, as in the CLI); a key matches
+# itself and everything below it
+RESUMABLE_KEYS: tuple[str, ...] = (
+    "config",
+    "ckpt_path",
+    "allow_config_change",
+    "debug",
+    "verbose",
+    "print_memory",
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.max_time",
+    "trainer.logger",
+    "trainer.enable_progress_bar",
+    "trainer.default_root_dir",
+)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    for start in range(0, len(data), _CHUNK):
+        view = data[start : start + _CHUNK]
+        while len(view):
+            n = os.write(fd, view)
+            view = view[n:]
+
+
+def write_atomic_bytes(path: str | Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` through a synced partial file beside it and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}{PARTIAL}{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            _write_all(fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    try:  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def remove_partials(directory: str | Path) -> list[Path]:
+    """Delete the partial checkpoint files a killed run left in ``directory``."""
+    d = Path(directory)
+    gone = []
+    if d.is_dir():
+        for p in d.iterdir():
+            if p.name.startswith(".") and PARTIAL in p.name and p.is_file():
+                p.unlink(missing_ok=True)
+                gone.append(p)
+    return gone
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose writes are a partial file beside the target, then a rename."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("SafeCheckpointIO.save_checkpoint takes no storage_options")
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        write_atomic_bytes(path, buf.getbuffer())
+
+
+_VERSION = re.compile(r"^version_(\d+)$")
+
+
+def run_versions(root: str | Path) -> list[Path]:
+    """``root/version_N`` directories in increasing N."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in r.iterdir() if (m := _VERSION.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def find_last_checkpoint(root: str | Path) -> Path | None:
+    """The newest ``last.ckpt`` of run dir ``root``: the highest ``version_N`` holding one.
+
+    A run dir written before per-version checkpoints (``root/checkpoints/last.ckpt``) counts
+    as older than every version.
+    """
+    for v in reversed(run_versions(root)):
+        p = v / "checkpoints" / "last.ckpt"
+        if p.exists():
+            return p
+    legacy = Path(root) / "checkpoints" / "last.ckpt"
+    return legacy if legacy.exists() else None
+
+
+def flatten(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{"a.b.c": leaf}``; lists stay leaves (compared whole)."""
+    if isinstance(cfg, dict):
+        out: dict[str, Any] = {}
+        for k, v in cfg.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict) and v:
+                out.update(flatten(v, key))
+            else:
+                out[key] = v
+        return out
+    return {prefix: cfg}
+
+
+def _resumable(key: str, allowed: Iterable[str]) -> bool:
+    return any(key == a or key.startswith(a + ".") for a in allowed)
+
+
+def config_diff(
+    saved: dict[str, Any], current: dict[str, Any], allowed: Iterable[str] = RESUMABLE_KEYS
+) -> list[str]:
+    """Dotted keys whose values differ between two configs, outside the ``allowed`` keys."""
+    a, b = flatten(saved), flatten(current)
+    allowed = tuple(allowed)
+    return sorted(k for k in set(a) | set(b) if not _resumable(k, allowed) and a.get(k) != b.get(k))
+
+
+class RunConfigRecorder(L.Callback):
+    """Stores the run's resolved config (YAML text) in every checkpoint, for resume checks.
+
+    Args:
+        config_yaml: the resolved config as YAML text (the CLI passes it).
+    """
+
+    def __init__(self, config_yaml: str) -> None:
+        self.config_yaml = config_yaml
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # partial files of a killed run are garbage; the complete checkpoints stay
+        for cb in trainer.checkpoint_callbacks:
+            dirpath = getattr(cb, "dirpath", None)
+            if dirpath and trainer.is_global_zero:
+                remove_partials(dirpath)
+        root = trainer.default_root_dir
+        if trainer.is_global_zero:
+            for v in run_versions(root):
+                remove_partials(v / "checkpoints")
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["salvage_config"] = self.config_yaml
