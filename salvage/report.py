@@ -1,7 +1,10 @@
 """``salvage report RUN_DIR``: PNG plots and a markdown summary of a run.
 
-Reads the newest ``metrics.csv`` under RUN_DIR (CSV logger) and, where present,
-``relays.jsonl`` (VH-GPO) and ``exchange.jsonl`` (GRAFT). Writes into
+Reads the run's whole history: every ``RUN_DIR/version_N`` (one per ``salvage fit``
+invocation: the first run and each resume) in order, its ``metrics.csv`` (CSV logger) and,
+where present, ``relays.jsonl`` (VH-GPO) and ``exchange.jsonl`` (GRAFT). A resume redoes the
+updates after its checkpoint: what an interrupted version logged for those updates is
+replaced by the resumed version's, never counted twice (``load_run``). Writes into
 ``RUN_DIR/report/``: ``rewards.png``, ``zero_signal.png``, ``extra_tokens.png``,
 ``relays.png`` (per-relay teacher actions kept vs omitted), ``graft.png`` (transfers per
 direction, compatibility weights), ``cost.png`` (GPU-hours vs score) and ``report.md``.
@@ -57,6 +60,84 @@ def _jsonl(path: Path | None) -> list[dict[str, Any]]:
     return out
 
 
+def _train_steps(path: Path) -> list[float]:
+    with path.open(newline="") as f:
+        return [
+            float(r["step"]) for r in csv.DictReader(f) if r.get("step") and r.get("perf/step_s")
+        ]
+
+
+def _lineage(run: Path, versions: list[Path], version: int | None) -> list[Path]:
+    """The versions of one run, oldest first: from the chosen (default newest) version back
+    through the checkpoint each one resumed from (``ckpt_path`` in its ``config.yaml``).
+    A second run started in the same RUN dir is another lineage and is left out."""
+    import yaml
+
+    by_name = {v.name: v for v in versions}
+    cur = by_name.get(f"version_{version}") if version is not None else versions[-1]
+    if cur is None:
+        raise FileNotFoundError(f"{run} has no version_{version} with metrics")
+    chain = [cur]
+    while True:
+        cfg_file = cur / "config.yaml"
+        if not cfg_file.exists():  # no record of where it resumed from: take the dir order
+            return [v for v in versions if int(v.name.split("_")[1]) <= int(cur.name.split("_")[1])]
+        ckpt = (yaml.safe_load(cfg_file.read_text(encoding="utf-8")) or {}).get("ckpt_path")
+        if not ckpt:
+            return chain[::-1]
+        parent = Path(ckpt).resolve().parent.parent  # RUN/version_M/checkpoints/last.ckpt
+        prev = by_name.get(parent.name) if parent.parent == run.resolve() else None
+        if prev is None or prev in chain:
+            return chain[::-1]
+        chain.append(prev)
+        cur = prev
+
+
+def load_run(
+    run_dir: str | Path, version: int | None = None
+) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[dict[str, Any]]], list[Path]]:
+    """A run's history across resumes: (metric series, jsonl records by stem, metric files).
+
+    The versions of the run (``_lineage``) are read in order; version k+1's first training
+    step s marks where it resumed, so version k's metric points and ``relays`` / ``exchange``
+    records at steps >= s (updates that were interrupted and redone) are dropped. A run dir
+    without ``version_N`` folders falls back to the newest ``metrics.csv`` below it.
+    """
+    from salvage.checkpointing import run_versions
+
+    run = Path(run_dir)
+    versions = [v for v in run_versions(run) if (v / "metrics.csv").exists()]
+    if versions:
+        versions = _lineage(run, versions, version)
+    else:
+        newest = _newest(run, "metrics.csv")
+        if newest is None:
+            raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
+        versions = [newest.parent]
+    per: list[tuple[dict[str, list[tuple[float, float]]], dict[str, list[dict[str, Any]]]]] = []
+    starts: list[float | None] = []
+    for v in versions:
+        recs = {
+            stem: _ranked(v / f"{stem}.jsonl" if (v / f"{stem}.jsonl").exists() else None, stem)
+            for stem in ("relays", "exchange")
+        }
+        per.append((load_metrics(v / "metrics.csv"), recs))
+        steps = _train_steps(v / "metrics.csv")
+        starts.append(min(steps) if steps else None)
+    series: dict[str, list[tuple[float, float]]] = {}
+    records: dict[str, list[dict[str, Any]]] = {"relays": [], "exchange": []}
+    for k, (m, recs) in enumerate(per):
+        later = [s for s in starts[k + 1 :] if s is not None]
+        cut = min(later) if later else math.inf  # a later version redid these steps
+        for key, pts in m.items():
+            series.setdefault(key, []).extend((st, val) for st, val in pts if st < cut)
+        for stem, rs in recs.items():
+            records[stem].extend(r for r in rs if float(r.get("step", -1)) < cut)
+    for pts in series.values():
+        pts.sort(key=lambda p: p[0])
+    return series, records, [v / "metrics.csv" for v in versions]
+
+
 def _ranked(path: Path | None, stem: str) -> list[dict[str, Any]]:
     """Records of rank 0 (``<stem>.jsonl``) and of the other ranks (``<stem>.rank<r>.jsonl``)."""
     if path is None:
@@ -67,7 +148,7 @@ def _ranked(path: Path | None, stem: str) -> list[dict[str, Any]]:
     return out
 
 
-def make_report(run_dir: str | Path) -> dict[str, Any]:
+def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, Any]:
     """Render the plots and the summary; returns {"written": [...], "skipped": {...}}."""
     import matplotlib
 
@@ -75,12 +156,8 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
     import matplotlib.pyplot as plt
 
     run = Path(run_dir)
-    mpath = _newest(run, "metrics.csv")
-    if mpath is None:
-        raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
-    m = load_metrics(mpath)
-    relays = _ranked(_newest(run, "relays.jsonl"), "relays")
-    exchange = _ranked(_newest(run, "exchange.jsonl"), "exchange")
+    m, records, mpaths = load_run(run, version)
+    relays, exchange = records["relays"], records["exchange"]
     out = run / "report"
     out.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
@@ -199,7 +276,7 @@ def make_report(run_dir: str | Path) -> dict[str, Any]:
     lines = [
         f"# salvage run report: {run}",
         "",
-        f"metrics: `{mpath.relative_to(run)}`, {len(m)} series",
+        f"metrics: {', '.join(f'`{p.relative_to(run)}`' for p in mpaths)}, {len(m)} series",
         "",
     ]
     lines += ["| metric | first | last |", "|---|---|---|"]
@@ -227,8 +304,15 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("run_dir", help="a run directory (trainer.default_root_dir)")
+    ap.add_argument(
+        "--version",
+        type=int,
+        default=None,
+        help="report the run ending in RUN_DIR/version_N (default: the newest), with the "
+        "versions it resumed from",
+    )
     a = ap.parse_args(argv)
-    res = make_report(a.run_dir)
+    res = make_report(a.run_dir, a.version)
     print(f"wrote {', '.join(res['written'])} to {res['dir']}")
     for k, why in res["skipped"].items():
         print(f"skipped {k}: {why}")

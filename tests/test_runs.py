@@ -114,6 +114,14 @@ def test_runs_never_cross_and_resume_is_checked(tmp_path, capsys):
     assert code == 0, err[-2000:]
     assert "model.init_args.lr" in err  # still told
     assert steps_of(run / "version_3" / "metrics.csv") == [2]
+    # the run's history: version 3 <- 2 <- 0; version 1 (seed 7) is another run
+    from salvage.report import load_run, make_report
+
+    m, _, files = load_run(run)
+    assert [p.parent.name for p in files] == ["version_0", "version_2", "version_3"]
+    assert [s for s, _ in m["perf/step_s"]] == [0, 1, 2]
+    assert [p.parent.name for p in load_run(run, version=1)[2]] == ["version_1"]
+    assert "rewards.png" in make_report(run)["written"]
 
 
 @pytest.mark.parametrize(
@@ -299,3 +307,56 @@ def test_kill_during_a_checkpoint_write_keeps_the_last_complete_one(tmp_path):
     )
     leftovers = [p.name for p in run.rglob("*") if ".partial-" in p.name]
     assert leftovers == []
+
+
+# ---- a run's history across resumes --------------------------------------------------------
+
+
+def _version(run: Path, n: int, steps: list[int], value: float, resumed_from: int | None) -> None:
+    import json
+
+    v = run / f"version_{n}"
+    v.mkdir(parents=True)
+    ck = (
+        None if resumed_from is None else str(run / f"version_{resumed_from}/checkpoints/last.ckpt")
+    )
+    (v / "config.yaml").write_text(f"ckpt_path: {ck if ck else 'null'}\n")
+    rows = ["step,perf/step_s,rollout/reward_mean"] + [f"{s},1.0,{value + s}" for s in steps]
+    (v / "metrics.csv").write_text("\n".join(rows) + "\n")
+    (v / "relays.jsonl").write_text(
+        "".join(json.dumps({"step": s, "retained": True, "v": n}) + "\n" for s in steps)
+    )
+
+
+def test_report_reads_every_version_of_a_run_once(tmp_path):
+    from salvage.report import load_run
+
+    run = tmp_path / "RUN"
+    _version(run, 0, [0, 1, 2], 0.0, None)  # crashed after logging update 2, checkpoint at 2
+    _version(run, 1, [0, 1], 100.0, None)  # another run started in the same RUN dir
+    _version(run, 2, [2, 3], 10.0, 0)  # resumed version 0 from its update-2 checkpoint
+    m, rec, files = load_run(run)
+    assert [p.parent.name for p in files] == ["version_0", "version_2"]
+    # update 2 was redone: version 2's value (10 + 2), not version 0's (0 + 2), and once
+    assert m["rollout/reward_mean"] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+    assert [(r["step"], r["v"]) for r in rec["relays"]] == [(0, 0), (1, 0), (2, 2), (3, 2)]
+    m1, _, files1 = load_run(run, version=1)
+    assert [p.parent.name for p in files1] == ["version_1"]
+    assert m1["rollout/reward_mean"] == [(0, 100.0), (1, 101.0)]
+
+
+def test_environment_start_up_is_not_step_time():
+    """New env instances (a JVM each for TWX) are set-up: the pool measures their start-up, and
+    the rollout's step clock starts after it, so a resumed run is not charged it again."""
+    from salvage.envs.pool import EnvPool
+
+    with EnvPool("scripted", {"max_steps": 4, "create_delay_s": 0.2}) as pool:
+        task = {"id": "t", "solution": ["a"]}
+        pool.reset([(0, task, 0), (1, task, 1)])
+        assert 0.4 <= pool.startup_s < 1.0  # two new instances
+        pool.release([0, 1])
+        pool.reset([(2, task, 0), (3, task, 1)])  # reused from the free list
+        assert pool.startup_s < 1.0
+        first = pool.startup_s
+        pool.reset([(4, task, 0)])  # one more instance
+        assert pool.startup_s - first >= 0.2

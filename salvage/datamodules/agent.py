@@ -209,6 +209,7 @@ class AgentDataModule(RolloutDataModule):
         t0 = time.perf_counter()
         assert self.runner is not None and self.pool is not None
         errors_before = self.pool.errors
+        startup_before = self.pool.startup_s
         steps_before = self.runner.env_steps
         tp, te = self.runner.time_policy, self.runner.time_env
         starts = [Start(task=t, seed=seed + j) for t in tasks for j in range(n)]
@@ -234,11 +235,15 @@ class AgentDataModule(RolloutDataModule):
         errors = self.pool.errors - errors_before
         self.env_errors_total += errors
         t_end = time.perf_counter()
+        startup = self.pool.startup_s - startup_before
         return RolloutBatch(
             groups=groups,
             temperature=self.engine_cfg.temperature if self.engine_cfg.temperature > 0 else 1.0,
             stats={
-                "t_start": t0,
+                # environment start-up (new instances, e.g. JVMs, after a start or a resume)
+                # is set-up, not step time: the step clock starts that much later
+                "t_start": t0 + startup,
+                "time_env_startup": startup,
                 "time_generate": self.runner.time_policy - tp,
                 "time_env": self.runner.time_env - te,
                 "time_rollout": t_end - t0,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,8 @@ class EnvResult:
     value: Any = None
     """reset/restore: (observation, info); step: StepResult; snapshot: dict."""
     error: str | None = None
+    startup_s: float = 0.0
+    """Seconds spent starting a new environment instance for this item (e.g. a JVM)."""
 
 
 class _Host:
@@ -43,17 +46,29 @@ class _Host:
         self.env_kwargs = env_kwargs
         self.envs: dict[int, ReplayEnv] = {}
         self.free: list[ReplayEnv] = []
+        self.startup_s = 0.0  # cleared by each handle(): the start-up of that item's env
 
     def _env(self, eid: int, create: bool) -> ReplayEnv:
         env = self.envs.get(eid)
         if env is None:
             if not create:
                 raise KeyError(f"episode {eid} has no live environment (failed or released)")
-            env = self.free.pop() if self.free else make_env(self.env_name, **self.env_kwargs)
+            if self.free:
+                env = self.free.pop()
+            else:
+                t0 = time.perf_counter()
+                env = make_env(self.env_name, **self.env_kwargs)
+                self.startup_s += time.perf_counter() - t0
             self.envs[eid] = env
         return env
 
     def handle(self, op: str, eid: int, arg: Any) -> EnvResult:
+        self.startup_s = 0.0
+        res = self._handle(op, eid, arg)
+        res.startup_s = self.startup_s
+        return res
+
+    def _handle(self, op: str, eid: int, arg: Any) -> EnvResult:
         try:
             if op == "reset":
                 task, seed = arg
@@ -159,6 +174,9 @@ class EnvPool:
         self._seq = 0  # every item sent carries a fresh number; stale answers are recognised
         self.errors = 0
         self.restarts = 0
+        # wall seconds spent starting environments (instances, workers): one-time set-up that
+        # cost accounting leaves out of step time, so a resumed run is not charged it twice
+        self.startup_s = 0.0
         self.error_log: list[str] = []
         self._trace: dict[int, dict[str, Any]] = {}
         self._ctx = mp.get_context("spawn")
@@ -170,8 +188,10 @@ class EnvPool:
             self._wait_ready(w)
 
     def _start(self) -> _Worker:
+        t0 = time.perf_counter()
         w = _Worker(self._ctx, self.env_name, self.env_kwargs)
         self._wait_ready(w)
+        self.startup_s += time.perf_counter() - t0
         return w
 
     def _wait_ready(self, w: _Worker) -> None:
@@ -254,6 +274,7 @@ class EnvPool:
         if self._local is not None:
             for i, (op, eid, arg) in enumerate(ops):
                 results[i] = self._local.handle(op, eid, arg)
+                self.startup_s += results[i].startup_s  # type: ignore[union-attr]
                 self._record(op, eid, arg, results[i])
             return results  # type: ignore[return-value]
         per_worker: dict[int, list[tuple[int, int, str, int, Any]]] = {}
@@ -264,6 +285,12 @@ class EnvPool:
             self._send(w, items)
         for w, items in per_worker.items():
             self._collect(w, items, results)
+        # workers start their environments in parallel: the slowest worker's share is wall time
+        per_w = [
+            sum(results[i].startup_s for _, i, *_ in items if results[i] is not None)  # type: ignore[union-attr]
+            for items in per_worker.values()
+        ]
+        self.startup_s += max(per_w, default=0.0)
         return results  # type: ignore[return-value]
 
     def _send(self, w: int, items: list[tuple[int, int, str, int, Any]]) -> bool:

@@ -106,6 +106,13 @@ class RayEnvPool(EnvPool):
         refs = {w: self._submit(w, items) for w, items in per_actor.items()}
         for w, items in per_actor.items():
             self._gather(w, items, refs[w], results)
+        self.startup_s += max(  # actors start their environments in parallel
+            (
+                sum(results[i].startup_s for i, *_ in items if results[i] is not None)  # type: ignore[union-attr]
+                for items in per_actor.values()
+            ),
+            default=0.0,
+        )
         return results  # type: ignore[return-value]
 
     def _submit(self, w: int, items: list[tuple[int, str, int, Any]]) -> list[Any]:

@@ -19,8 +19,10 @@ from salvage.envs.base import ReplayEnv
 class ScriptedEnv(ReplayEnv):
     name: ClassVar[str] = "scripted"
 
-    def __init__(self, max_steps: int = 50) -> None:
+    def __init__(self, max_steps: int = 50, create_delay_s: float = 0.0) -> None:
         super().__init__()
+        if create_delay_s > 0:  # stands in for a slow start-up (a JVM, a simulator)
+            time.sleep(create_delay_s)
         self.max_steps = max_steps
         self._solution: list[str] = []
         self._alive = True
