@@ -19,3 +19,7 @@ class ConfigError(SalvageError, ValueError):
 
 class DataError(SalvageError, ValueError):
     """A data file that cannot be read or holds something impossible (names the file)."""
+
+
+class MissingFileError(ConfigError, FileNotFoundError):
+    """A file or directory the config names does not exist (names the key and the path)."""

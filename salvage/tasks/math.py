@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from salvage.errors import ConfigError, DataError
+from salvage.errors import ConfigError, DataError, MissingFileError
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +156,11 @@ class MathData:
         if not self.source.startswith("reasoning_gym:"):
             p = Path(self.source)
             if p.suffix not in (".jsonl", ".parquet"):
-                raise ValueError(
+                raise ConfigError(
                     f"data source {self.source!r}: expected reasoning_gym:<task>, a .jsonl or a .parquet file"
                 )
             if not p.exists():
-                raise FileNotFoundError(f"data source {self.source!r} does not exist")
+                raise MissingFileError(f"data source {self.source!r} does not exist")
         if self.size < 1:
             raise ValueError(f"data size must be >= 1, got {self.size}")
         if self.limit is not None and self.limit < 1:
