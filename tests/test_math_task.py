@@ -274,3 +274,16 @@ def test_sources_nothing_tells_apart_are_refused_unless_named(tmp_path):
     assert ids[:4] == [f"easy/0-{i}" for i in range(4)] and ids[4:] == [
         f"hard/0-{i}" for i in range(4)
     ]
+
+
+def test_source_labels_take_as_much_of_the_path_as_tells_files_apart(tmp_path):
+    from salvage.tasks.math import source_labels
+
+    paths = ["a/x/test.jsonl", "b/x/test.jsonl", "c/train.jsonl", "math500.jsonl"]
+    for p in paths:
+        _jsonl(tmp_path / p, [{"problem": "1+1?", "answer": "2"}])
+    sources = [MathData(source=str(tmp_path / p)) for p in paths]
+    assert source_labels(sources) == ["a/x/test", "b/x/test", "train", "math500"]
+    # the same file twice: only names tell them apart
+    twice = [MathData(source=str(tmp_path / "math500.jsonl"), name=n) for n in ("x", "y")]
+    assert source_labels(twice) == ["x", "y"]
