@@ -245,7 +245,8 @@ def source_labels(sources: list[MathData], key: str = "data") -> list[str]:
     def parts(d: MathData) -> tuple[str, ...]:
         if d.source.startswith("reasoning_gym:"):
             return (d.source.split(":", 1)[1],)
-        return Path(d.source).resolve().with_suffix("").parts
+        p = Path(d.source).resolve().with_suffix("")
+        return p.parts[1:] if p.anchor else p.parts  # no leading "/" in a label
 
     labels = [parts(d)[-1] for d in sources]
     for label in set(labels):
@@ -312,8 +313,13 @@ def _answer_text(answer: Any) -> str:
 def _jsonl_rows(path: Path) -> tuple[list[str], list[Any]]:
     """(where each row is, e.g. ``line 3``; the rows); a line that is not JSON is its message."""
     raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is allowed
+        raw = raw[3:]
     if b"\x00" in raw[:65536]:
-        raise DataError(f"data source {str(path)!r} is not a text file (it holds NUL bytes)")
+        raise DataError(
+            f"data source {str(path)!r} is not a text file (it holds NUL bytes: binary, or "
+            "UTF-16); save it as UTF-8 JSON lines"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
