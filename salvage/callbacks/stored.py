@@ -32,7 +32,7 @@ import lightning as L
 from salvage.core.graft import order_groups, select_unidirectional, split_minibatches
 from salvage.datamodules.common import assign_advantages, step_seed
 from salvage.distributed import gathered
-from salvage.errors import DataError
+from salvage.errors import DataError, MissingFileError
 from salvage.io import atomic_write_text
 from salvage.modules.graft import transplant
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
@@ -160,7 +160,7 @@ class StoredPeer(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and not self.dirpath.is_dir():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"StoredPeer dirpath {str(self.dirpath)!r} is not a directory of recorded steps"
             )
 
@@ -173,7 +173,7 @@ class StoredPeer(L.Callback):
     def load(self, step: int) -> dict[str, Any]:
         path = self.dirpath / f"step_{step:06d}.json"
         if not path.exists():
-            raise FileNotFoundError(f"StoredPeer: no recorded rollouts for step {step} ({path})")
+            raise MissingFileError(f"StoredPeer: no recorded rollouts for step {step} ({path})")
         try:
             rec = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -191,8 +191,9 @@ class StoredPeer(L.Callback):
         stored = {p["task_id"]: p for p in rec["prompts"]}
         mine = [g.task_id for g in batch.groups]
         if set(stored) != set(mine):
-            raise ValueError(
-                f"StoredPeer: the log of step {step} holds prompts {sorted(stored)[:4]}... but this step's batch "
+            raise DataError(
+                f"StoredPeer: the log of step {step} ({self.dirpath / f'step_{step:06d}.json'}) "
+                f"holds prompts {sorted(stored)[:4]}... but this step's batch "
                 f"is {sorted(mine)[:4]}...: the runs differ (data, seed or prompts_per_step)"
             )
         dm = trainer.datamodule
@@ -200,8 +201,9 @@ class StoredPeer(L.Callback):
         for g in batch.groups:
             p = stored[g.task_id]
             if p.get("answer") is not None and str(p["answer"]) != str(g.task["answer"]):
-                raise ValueError(
-                    f"StoredPeer: the log of step {step} has answer {p['answer']!r} for task "
+                raise DataError(
+                    f"StoredPeer: the log of step {step} ({self.dirpath / f'step_{step:06d}.json'}) "
+                    f"has answer {p['answer']!r} for task "
                     f"{g.task_id!r}, this run {g.task['answer']!r}: the runs differ (data)"
                 )
             trajs = []
