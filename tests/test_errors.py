@@ -161,3 +161,17 @@ def test_debug_shows_the_exception(tmp_path):
     p.write_bytes('{"problem": "café", "answer": "1"}\n'.encode("latin-1"))
     with pytest.raises(DataError, match="latin1.jsonl"):
         main(["--debug", *_fit_args(tmp_path, "--data.init_args.train.source", str(p))])
+
+
+def test_model_source_check_tells_paths_from_hub_ids(tmp_path):
+    from salvage.models import check_model_source
+
+    for ok in ("tiny", "Qwen/Qwen2.5-1.5B-Instruct", "gpt2", str(tmp_path)):
+        check_model_source(ok)  # builtin, hub ids, an existing directory
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"")
+    with pytest.raises(ConfigError, match="is a file; expected a Hugging Face model directory"):
+        check_model_source(str(f))
+    for missing in ("./models/mine", "~/no/such/model", "/abs/no/such/model", "a/b/c"):
+        with pytest.raises(ConfigError, match="does not exist"):
+            check_model_source(missing)
