@@ -11,6 +11,9 @@
   best validation, and the joint cost; printed by ``salvage test``) and ``RunSummary`` (a table at the end of fit);
   unless the config has its own ``ModelCheckpoint``, ``last.ckpt`` is refreshed after every
   update, so a crashed run resumes with ``salvage fit ... --ckpt_path last``. One step of the trainer = one RL update.
+- A user error (``salvage.errors.SalvageError``: a bad data file, config value or model
+  path; an unreadable ``--config`` YAML) prints one line ``salvage: error: ...`` naming
+  the file or key and exits with status 2; ``--debug`` anywhere shows the traceback.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from salvage.checkpointing import (  # noqa: E402
     config_diff,
     find_last_checkpoint,
 )
+from salvage.errors import ConfigError, SalvageError  # noqa: E402
 from salvage.loggers import SafeCSVLogger  # noqa: E402
 
 
-class ResumeError(ValueError):
+class ResumeError(ConfigError):
     """A resume that would continue another run, or this run under other settings."""
 
 
@@ -87,9 +91,12 @@ class SalvageCLI(LightningCLI):
         """
 
     def before_instantiate_classes(self) -> None:
+        """Checks that need no weights: max_steps, the run dir, a resume's config."""
         sub = self.subcommand
         if sub is None:
             return
+        if sub == "fit":  # refused before anything is built
+            check_max_steps(self.config.get("fit.trainer.max_steps"))
         cfg = self.config[sub]
         if not cfg.trainer.get("default_root_dir"):
             # one folder per config under runs/, never the current directory itself
@@ -165,8 +172,61 @@ class SalvageCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-def main(args: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if args is None else list(args)
+def check_max_steps(max_steps: Any) -> None:
+    """``trainer.max_steps`` of a fit: -1 (no limit: ``max_epochs`` ends the run) or >= 1."""
+    if max_steps is not None and (max_steps == 0 or max_steps < -1):
+        raise ConfigError(
+            f"trainer.max_steps must be >= 1 (or -1: no step limit), got {max_steps}: "
+            "a fit of 0 updates would train nothing"
+        )
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Every ``--config FILE`` on the command line is readable YAML holding a mapping.
+
+    jsonargparse reports a YAML error without saying which of several files holds it.
+    """
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not os.path.isfile(path):
+            if os.path.splitext(path)[1] in (".yaml", ".yml"):
+                raise ConfigError(f"config file {path!r} does not exist")
+            continue  # jsonargparse also takes inline YAML here
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file {path!r} is not valid YAML: {what}{where}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(
+                f"config file {path!r} holds a {type(data).__name__}; expected a mapping of keys"
+            )
+
+
+def user_error(exc: BaseException) -> SalvageError | None:
+    """The ``SalvageError`` behind ``exc`` (itself, or a cause jsonargparse wrapped), if any."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, SalvageError):
+            return e
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _run(argv: list[str], from_sys_argv: bool = False) -> None:
     if argv and argv[0] == "report":
         from salvage.report import main as report_main
 
@@ -177,13 +237,43 @@ def main(args: list[str] | None = None) -> None:
 
         export_main(argv[1:])
         return
+    check_config_files(argv)
+    if from_sys_argv:
+        sys.argv[1:] = argv  # without --debug; LightningCLI reads sys.argv itself
     SalvageCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=args,
+        args=None if from_sys_argv else argv,
         auto_configure_optimizers=False,
     )
 
 
+def main(args: list[str] | None = None) -> None:
+    """Run a subcommand; a user error is one line on stderr (exit 2), ``--debug`` re-raises."""
+    argv = sys.argv[1:] if args is None else list(args)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    if debug:
+        before = os.environ.get("JSONARGPARSE_DEBUG")
+        os.environ["JSONARGPARSE_DEBUG"] = "true"  # parse errors with their traceback too
+        try:
+            _run(argv, args is None)
+        finally:
+            if before is None:
+                os.environ.pop("JSONARGPARSE_DEBUG", None)
+            else:
+                os.environ["JSONARGPARSE_DEBUG"] = before
+        return
+    try:
+        _run(argv, args is None)
+    except Exception as e:  # noqa: BLE001 - only user errors are shortened, the rest re-raised
+        err = user_error(e)
+        if err is None:
+            raise
+        msg = " ".join(str(err).split())
+        print(f"salvage: error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":  # pragma: no cover
-    main(sys.argv[1:])
+    main()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from salvage.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,44 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SALVAGE_CACHE", Path.home() / ".cache" / "salvage"))
 
 
+# what the hub accepts as a model id: "name" or "namespace/name" (letters, digits, _ . -)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_model_source(name: str) -> None:
+    """Refuse a ``name_or_path`` that is neither an existing directory nor a hub id.
+
+    Without this a missing local path reaches the hub client, whose error ("Repo id must
+    be in the form ...") does not say that the path does not exist.
+    """
+    if name in BUILTINS:
+        return
+    p = Path(name).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ConfigError(
+                f"model path {name!r} is a file; expected a Hugging Face model directory "
+                "(config.json, tokenizer and weights)"
+            )
+        return
+    if not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
+        raise ConfigError(f"model path {name!r} does not exist (and is not a hub id 'org/name')")
+
+
+def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
+    """``load(name, ...)``; a hub id that cannot be resolved becomes one line naming it."""
+    check_model_source(name)
+    try:
+        return load(name, **kwargs)
+    except OSError as e:
+        if Path(name).expanduser().exists():
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"model {name!r} is not a local directory and the hub cannot provide it: {first}"
+        ) from e
+
+
 def load_tokenizer(spec: PolicySpec) -> Any:
     """The tokenizer of a policy, with a chat template guaranteed (or a clear error)."""
     name = spec.name_or_path
@@ -97,8 +138,11 @@ def load_tokenizer(spec: PolicySpec) -> Any:
     else:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(
-            name, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+        tok = _from_pretrained(
+            AutoTokenizer.from_pretrained,
+            name,
+            revision=spec.revision,
+            trust_remote_code=spec.trust_remote_code,
         )
     return _finish_tokenizer(tok, spec)
 
@@ -127,7 +171,8 @@ def load_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Modul
         from transformers import AutoModelForCausalLM
 
         path = str(smollm2_checkpoint()) if name == "smollm2-135m-instruct" else name
-        model = AutoModelForCausalLM.from_pretrained(
+        model = _from_pretrained(
+            AutoModelForCausalLM.from_pretrained,
             path,
             dtype=dtype,
             revision=None if name in BUILTINS else spec.revision,

@@ -172,3 +172,118 @@ def test_eval_harness_on_a_slice_of_each_benchmark_prints_the_table(tmp_path):
     for name in ("math500", "aime2024", "aime2025", "amc23", "minerva"):
         assert f"eval/success/{name}" in out, name
     assert "eval/aggregate" in out
+
+
+# ---------------------------------------------------------------- task identity (issue 13.1)
+
+
+def _jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _rollout_prompts(dm, tasks, tiny):
+    """The prompt text each task's group was sampled from, through the datamodule."""
+    from salvage.rollout.config import EngineConfig, build_engine
+
+    model, tok = tiny
+    engine = build_engine(EngineConfig(max_new_tokens=2), model, tok)
+    batch = dm.rollout(tasks, n=2, seed=0, engine=engine, tokenizer=tok, advantages=False)
+    return {
+        g.task_id: (tok.decode(g.trajectories[0].turns[0].prompt_ids), g.task["answer"])
+        for g in batch.groups
+    }
+
+
+def test_duplicate_row_ids_in_one_file_are_refused_naming_file_and_rows(tmp_path):
+    from salvage.datamodules.rlvr import RLVRDataModule
+    from salvage.errors import DataError
+
+    p = _jsonl(
+        tmp_path / "dup.jsonl",
+        [
+            {"id": 1, "problem": "What is 2+2?", "answer": "4"},
+            {"id": 1, "problem": "What is 10*10?", "answer": "100"},
+        ],
+    )
+    dm = RLVRDataModule(train=MathData(source=str(p)), prompts_per_step=1, group_size=2)
+    with pytest.raises(DataError) as e:
+        dm.setup("fit")
+    msg = str(e.value)
+    assert str(p) in msg and "line 2" in msg and "line 1" in msg and "'dup/1'" in msg
+    # an id of 0 is an id: it cannot collide with a row that has no id at position 0
+    q = _jsonl(
+        tmp_path / "zero.jsonl",
+        [
+            {"problem": "What is 3+3?", "answer": "6"},
+            {"id": 0, "problem": "What is 5+5?", "answer": "10"},
+        ],
+    )
+    with pytest.raises(DataError, match="line 2 repeats the id of line 1"):
+        load_math_tasks(MathData(source=str(q)))
+
+
+def test_sources_sharing_a_file_stem_keep_their_own_prompts(tmp_path, tiny):
+    """aime/test.jsonl and amc/test.jsonl: same stem, same row ids, different problems."""
+    from salvage.datamodules.rlvr import RLVRDataModule
+
+    aime = _jsonl(
+        tmp_path / "aime" / "test.jsonl", [{"id": 1, "problem": "What is 2+2?", "answer": "4"}]
+    )
+    amc = _jsonl(
+        tmp_path / "amc" / "test.jsonl", [{"id": 1, "problem": "What is 10*10?", "answer": "100"}]
+    )
+    # two sources of one split
+    dm = RLVRDataModule(val=[MathData(source=str(aime)), MathData(source=str(amc))])
+    dm.setup("validate")
+    tasks = dm.tasks["val"]
+    assert [t.id for t in tasks] == ["aime/test/1", "amc/test/1"]
+    assert dm.benchmarks("val") == ["aime/test", "amc/test"]  # not merged into one "test"
+    got = _rollout_prompts(dm, tasks, tiny)
+    assert "What is 2+2?" in got["aime/test/1"][0] and got["aime/test/1"][1] == "4"
+    assert "What is 10*10?" in got["amc/test/1"][0] and got["amc/test/1"][1] == "100"
+    # one file per split: both tasks are "test/1", yet the prompt cache (shared across
+    # splits) serves each its own prompt
+    dm = RLVRDataModule(train=MathData(source=str(aime)), val=MathData(source=str(amc)))
+    dm.setup("fit")
+    train, val = dm.tasks["train"][0], dm.tasks["val"][0]
+    assert train.id == val.id == "test/1"
+    assert "What is 2+2?" in _rollout_prompts(dm, [train], tiny)["test/1"][0]
+    prompt, answer = _rollout_prompts(dm, [val], tiny)["test/1"]
+    assert "What is 10*10?" in prompt and "2+2" not in prompt and answer == "100"
+
+
+def test_sources_nothing_tells_apart_are_refused_unless_named(tmp_path):
+    from salvage.datamodules.rlvr import RLVRDataModule
+    from salvage.errors import ConfigError
+
+    same = MathData(source="reasoning_gym:basic_arithmetic", size=4)
+    dm = RLVRDataModule(val=[same, MathData(source="reasoning_gym:basic_arithmetic", size=4)])
+    with pytest.raises(ConfigError, match=r"data\.val\[0\].*data\.val\[1\].*distinct `name`"):
+        dm.setup("validate")
+    named = [
+        MathData(source="reasoning_gym:basic_arithmetic", size=4, name="easy"),
+        MathData(
+            source="reasoning_gym:basic_arithmetic", size=4, name="hard", rg_kwargs={"min_terms": 4}
+        ),
+    ]
+    dm = RLVRDataModule(val=named)
+    dm.setup("validate")
+    ids = [t.id for t in dm.tasks["val"]]
+    assert ids[:4] == [f"easy/0-{i}" for i in range(4)] and ids[4:] == [
+        f"hard/0-{i}" for i in range(4)
+    ]
+
+
+def test_source_labels_take_as_much_of_the_path_as_tells_files_apart(tmp_path):
+    from salvage.tasks.math import source_labels
+
+    paths = ["a/x/test.jsonl", "b/x/test.jsonl", "c/train.jsonl", "math500.jsonl"]
+    for p in paths:
+        _jsonl(tmp_path / p, [{"problem": "1+1?", "answer": "2"}])
+    sources = [MathData(source=str(tmp_path / p)) for p in paths]
+    assert source_labels(sources) == ["a/x/test", "b/x/test", "train", "math500"]
+    # the same file twice: only names tell them apart
+    twice = [MathData(source=str(tmp_path / "math500.jsonl"), name=n) for n in ("x", "y")]
+    assert source_labels(twice) == ["x", "y"]

@@ -105,3 +105,53 @@ def test_a_log_that_does_not_match_fails_clearly(tmp_path):
         _fit(tmp_path / "recv", [StoredPeer(str(rec_dir))], steps=1, data_seed=5)
     with pytest.raises(FileNotFoundError, match="no recorded rollouts for step 1"):
         _fit(tmp_path / "recv2", [StoredPeer(str(rec_dir))], steps=2)
+
+
+def _step0_log(tmp_path, logprobs, answer=None):
+    """A stored log for the receiver's step 0 whose first response has ``logprobs``."""
+    tasks, _ = load_math_tasks(DATA)
+
+    class T:
+        world_size, global_rank, global_step = 1, 0, 0
+
+    prompts = []
+    for i in StepBatches(len(tasks), 2, 0, T()).batch(0):
+        t = tasks[i]
+        ok = {"text": f"\\boxed{{{t.answer}}}", "logprobs": [-0.5], "finish_reason": "stop"}
+        prompts.append({"task_id": t.id, "answer": answer or t.answer, "responses": [ok, dict(ok)]})
+    prompts[0]["responses"][1]["logprobs"] = logprobs
+    d = tmp_path / "log"
+    d.mkdir()
+    path = d / "step_000000.json"
+    path.write_text(json.dumps({"step": 0, "temperature": 1.0, "prompts": prompts}))
+    return d, path
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "what"),
+    [
+        ([-0.5, float("nan")], "log-prob 1 is nan"),  # was a NonFiniteLossError
+        ([], "missing or empty"),  # was "a response with no tokens has no mean log-prob"
+        ([-1e30, -0.5], "log-prob 0 is -1e+30"),  # was an OverflowError in exp()
+        ([-0.5, 3.0], "log-prob 1 is 3.0"),  # a probability above 1
+        (None, "missing or empty"),
+    ],
+)
+def test_a_stored_log_with_impossible_logprobs_is_refused_naming_it(tmp_path, logprobs, what):
+    from salvage.errors import DataError
+
+    d, path = _step0_log(tmp_path, logprobs)
+    with pytest.raises(DataError) as e:
+        _fit(tmp_path / "recv", [StoredPeer(str(d), gate=False)], steps=1)
+    assert str(path) in str(e.value) and what in str(e.value)
+
+
+def test_a_stored_log_of_other_data_or_not_json_is_refused(tmp_path):
+    from salvage.errors import DataError
+
+    d, path = _step0_log(tmp_path, [-0.5], answer="999999")
+    with pytest.raises(ValueError, match=r"step_000000.json\) has answer .999999.*the runs differ"):
+        _fit(tmp_path / "recv", [StoredPeer(str(d))], steps=1)
+    path.write_text('{"step": 0, "prompts": [')
+    with pytest.raises(DataError, match="is not a JSON step record"):
+        _fit(tmp_path / "recv2", [StoredPeer(str(d))], steps=1)

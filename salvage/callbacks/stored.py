@@ -11,11 +11,18 @@ does not match fails with a clear error), re-verifies every stored response with
 receiver's own verifier, and applies GRAFT's one-direction selection (no balancing),
 compatibility weighting and peer-token update (``salvage.modules.graft.transplant``).
 The partner model is never loaded. The receiver's ``GRPOModule`` trains on the result.
+
+A stored log is data from elsewhere, so it is checked before use: a file that is not JSON
+or not a step record, a prompt whose answer differs from the receiver's task, and a
+response whose log-probs are missing, empty, not finite or outside
+``[LOGPROB_MIN, LOGPROB_MAX]`` are refused with a ``DataError`` naming the file (rather
+than an overflow in the compatibility weight or a non-finite loss later).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -25,9 +32,51 @@ import lightning as L
 from salvage.core.graft import order_groups, select_unidirectional, split_minibatches
 from salvage.datamodules.common import assign_advantages, step_seed
 from salvage.distributed import gathered
+from salvage.errors import DataError, MissingFileError
 from salvage.io import atomic_write_text
 from salvage.modules.graft import transplant
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
+
+# A sampled token had a probability the sampler could represent: in float32 the smallest
+# positive probability is ~1.4e-45, so log-probs below ~-104 cannot come from a real
+# sample; -200 leaves margin for other precisions. Above 0 only rounding (bf16) is allowed.
+LOGPROB_MIN = -200.0
+LOGPROB_MAX = 0.01
+
+
+def check_record(rec: Any, path: Path) -> None:
+    """Refuse a stored step record that could not have been written by ``RecordRollouts``."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("prompts"), list):
+        raise DataError(f"StoredPeer: {path} is not a step record (no list of prompts)")
+    temp = rec.get("temperature", 1.0)
+    if not isinstance(temp, (int, float)) or not math.isfinite(temp) or temp <= 0:
+        raise DataError(f"StoredPeer: {path}: temperature {temp!r} must be a number > 0")
+    for p in rec["prompts"]:
+        if (
+            not isinstance(p, dict)
+            or "task_id" not in p
+            or not isinstance(p.get("responses"), list)
+        ):
+            raise DataError(f"StoredPeer: {path}: a prompt entry lacks task_id or responses")
+        for j, r in enumerate(p["responses"]):
+            where = f"StoredPeer: {path}: task {p['task_id']!r} response {j}"
+            if not isinstance(r, dict) or not isinstance(r.get("text"), str):
+                raise DataError(f"{where} has no text")
+            lps = r.get("logprobs")
+            if not isinstance(lps, list) or not lps:
+                raise DataError(f"{where}: log-probs are missing or empty")
+            for k, x in enumerate(lps):
+                bad = (
+                    isinstance(x, bool)
+                    or not isinstance(x, (int, float))
+                    or not math.isfinite(x)
+                    or not LOGPROB_MIN <= x <= LOGPROB_MAX
+                )
+                if bad:
+                    raise DataError(
+                        f"{where}: log-prob {k} is {x!r} (a sampled token's log-prob is a finite "
+                        f"number in [{LOGPROB_MIN:g}, 0])"
+                    )
 
 
 class RecordRollouts(L.Callback):
@@ -111,7 +160,7 @@ class StoredPeer(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit" and not self.dirpath.is_dir():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"StoredPeer dirpath {str(self.dirpath)!r} is not a directory of recorded steps"
             )
 
@@ -124,8 +173,13 @@ class StoredPeer(L.Callback):
     def load(self, step: int) -> dict[str, Any]:
         path = self.dirpath / f"step_{step:06d}.json"
         if not path.exists():
-            raise FileNotFoundError(f"StoredPeer: no recorded rollouts for step {step} ({path})")
-        return json.loads(path.read_text(encoding="utf-8"))
+            raise MissingFileError(f"StoredPeer: no recorded rollouts for step {step} ({path})")
+        try:
+            rec = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"StoredPeer: {path} is not a JSON step record ({e})") from None
+        check_record(rec, path)
+        return rec
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -137,14 +191,21 @@ class StoredPeer(L.Callback):
         stored = {p["task_id"]: p for p in rec["prompts"]}
         mine = [g.task_id for g in batch.groups]
         if set(stored) != set(mine):
-            raise ValueError(
-                f"StoredPeer: the log of step {step} holds prompts {sorted(stored)[:4]}... but this step's batch "
+            raise DataError(
+                f"StoredPeer: the log of step {step} ({self.dirpath / f'step_{step:06d}.json'}) "
+                f"holds prompts {sorted(stored)[:4]}... but this step's batch "
                 f"is {sorted(mine)[:4]}...: the runs differ (data, seed or prompts_per_step)"
             )
         dm = trainer.datamodule
         peer_groups = []
         for g in batch.groups:
             p = stored[g.task_id]
+            if p.get("answer") is not None and str(p["answer"]) != str(g.task["answer"]):
+                raise DataError(
+                    f"StoredPeer: the log of step {step} ({self.dirpath / f'step_{step:06d}.json'}) "
+                    f"has answer {p['answer']!r} for task "
+                    f"{g.task_id!r}, this run {g.task['answer']!r}: the runs differ (data)"
+                )
             trajs = []
             for r in p["responses"]:
                 res = dm.reward_fn(r["text"], g.task["answer"])  # re-verified, never trusted

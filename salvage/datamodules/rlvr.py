@@ -8,8 +8,16 @@ from typing import Any
 
 from salvage.datamodules.base import RolloutDataModule
 from salvage.datamodules.common import step_seed
+from salvage.errors import DataError
 from salvage.rollout.config import EngineConfig, generate_with_retry
-from salvage.tasks.math import MathData, MathTask, MathVerifyReward, Reward, load_math_tasks
+from salvage.tasks.math import (
+    MathData,
+    MathTask,
+    MathVerifyReward,
+    Reward,
+    load_math_tasks,
+    source_labels,
+)
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -83,7 +91,9 @@ class RLVRDataModule(RolloutDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.reward_fn: Reward = reward or MathVerifyReward()
         self.data_report: dict[str, Any] = {}
-        self._prompt_cache: dict[tuple[int, str], list[int]] = {}
+        # keyed by the messages themselves, not the task id: a prompt can never be served
+        # to another task, whatever the ids (also across splits)
+        self._prompt_cache: dict[tuple[int, tuple[tuple[str, str], ...]], list[int]] = {}
 
     def load_split(self, split: str) -> list[MathTask] | None:
         data = {
@@ -94,12 +104,18 @@ class RLVRDataModule(RolloutDataModule):
         if data is None:
             return None
         sources = data if isinstance(data, list) else [data]
+        key = "data.val" if split == "test" and self.test_data is None else f"data.{split}"
         tasks: list[MathTask] = []
         reports = []
-        for src in sources:
-            part, rep = load_math_tasks(src)
+        for src, label in zip(sources, source_labels(sources, key), strict=True):
+            part, rep = load_math_tasks(src, label)
             tasks += part
             reports.append(rep)
+        seen: set[str] = set()
+        for t in tasks:  # unique by construction (labels differ, ids are unique per file)
+            if t.id in seen:
+                raise DataError(f"{key}: two tasks share the id {t.id!r}")
+            seen.add(t.id)
         self.data_report[split] = reports
         return tasks
 
@@ -112,7 +128,7 @@ class RLVRDataModule(RolloutDataModule):
 
     def prompt_ids(self, task: MathTask, tokenizer: Any = None) -> list[int]:
         tok = tokenizer if tokenizer is not None else self.trainer.lightning_module.tokenizer
-        key = (id(tok), task.id)
+        key = (id(tok), tuple((m["role"], m["content"]) for m in task.messages))
         ids = self._prompt_cache.get(key)
         if ids is None:
             text = tok.apply_chat_template(

@@ -1,7 +1,8 @@
 """ALFWorld text games (extra ``alfworld``) through the alfworld package's TextWorld machinery.
 
 A task is one game file: ``{"id", "gamefile", "family"}``. Data come from
-``data_path`` (config) or ``$ALFWORLD_DATA``, laid out as ``alfworld-download`` lays them
+``data_path`` (``env.train_tasks.data_path``, ``env.val_tasks.data_path``: the arguments of
+``list_tasks``, one per split) or ``$ALFWORLD_DATA``, laid out as ``alfworld-download`` lays them
 out (``<split dir>/<task folder>/<trial>/{game.tw-pddl, traj_data.json}``). Split dirs:
 train -> ``json_2.1.1/train`` or ``train``; val -> ``valid_seen``; test -> ``valid_unseen``
 (configurable). The handcoded expert (which re-plans from the observed history, so it
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from salvage.envs.base import ReplayEnv
+from salvage.errors import ConfigError, MissingFileError
 
 # alfworld task_type -> SPEC §2.6 family name
 FAMILIES = {
@@ -36,15 +38,22 @@ SPLIT_DIRS = {
 _TASK_RE = re.compile(r"Your task is to:\s*(.+)")
 
 
-def data_root(data_path: str | None) -> Path:
+def data_root(data_path: str | None, split: str = "train") -> Path:
+    """The ALFWorld data folder of a split: its ``data_path`` (task-list key), else $ALFWORLD_DATA."""
+    key = f"data.init_args.env.{split}_tasks.data_path"
+    if split == "test":
+        key += " (or env.val_tasks.data_path when test_tasks is unset)"
     root = data_path or os.environ.get("ALFWORLD_DATA")
     if not root:
-        raise ValueError(
-            "alfworld needs env.kwargs.data_path (or $ALFWORLD_DATA) pointing at its data"
+        raise ConfigError(
+            f"alfworld {split} tasks need their data folder: set {key} or $ALFWORLD_DATA "
+            "(the folder alfworld-download fills)"
         )
     p = Path(os.path.expandvars(root)).expanduser()
     if not p.is_dir():
-        raise FileNotFoundError(f"alfworld data_path {str(p)!r} is not a directory")
+        raise MissingFileError(
+            f"alfworld data_path {str(p)!r} ({key} or $ALFWORLD_DATA) is not a directory"
+        )
     return p
 
 
@@ -70,7 +79,7 @@ class ALFWorldEnv(ReplayEnv):
         num_tasks: int | None = None,
         families: list[str] | None = None,
     ) -> list[dict[str, Any]]:
-        root = data_root(data_path)
+        root = data_root(data_path, split)
         candidates = [split_dir] if split_dir else list(SPLIT_DIRS.get(split, (split,)))
         base = next((root / c for c in candidates if (root / c).is_dir()), None)
         if base is None:

@@ -80,6 +80,7 @@ from salvage.core.webshop import (
     webshop_score,
 )
 from salvage.envs.base import ReplayEnv
+from salvage.errors import ConfigError, DataError
 
 FILE_PAIRS = (
     ("items_shuffle.json", "items_ins_v2.json"),
@@ -108,10 +109,15 @@ def resolve_data_dir(data_dir: str | None) -> Path:
             "WebShop data folder (items_shuffle*.json, items_ins_v2*.json, items_human_ins.json), or "
             "'synthetic' for the built-in synthetic catalogue"
         )
-    if str(raw).startswith("synthetic"):
+    if str(raw) == "synthetic" or str(raw).startswith("synthetic:"):  # not "synthetic_data/"
         from salvage.envs.webshop_synth import ensure_synthetic
 
         _, _, seed = str(raw).partition(":")
+        if seed and not seed.isdigit():
+            raise ConfigError(
+                f"webshop data_dir {str(raw)!r}: the synthetic catalogue's seed must be an "
+                "integer (synthetic:SEED)"
+            )
         return ensure_synthetic(int(seed or 0))
     p = Path(os.path.expandvars(str(raw))).expanduser().resolve()
     if not p.is_dir():
@@ -240,24 +246,43 @@ def _read_catalogue(root: Path, num_products: int | None, price_seed: int) -> Ca
             raise FileNotFoundError(
                 f"webshop: {f.name} is missing in {root} (needed with {pair[0].name})"
             )
-    raw = json.loads(pair[0].read_text(encoding="utf-8"))
-    attrs = json.loads(pair[1].read_text(encoding="utf-8"))
-    human = json.loads((root / HUMAN_FILE).read_text(encoding="utf-8"))
+    raw = _read_json(pair[0], list, "a list of products")
+    attrs = _read_json(pair[1], dict, "an object {asin: attributes}")
+    human = _read_json(root / HUMAN_FILE, dict, "an object {asin: [instructions]}")
     rev_file = root / REVIEWS_FILE
-    reviews = (
-        {r["asin"]: r for r in json.loads(rev_file.read_text(encoding="utf-8"))}
-        if rev_file.exists()
-        else {}
-    )
+    reviews = {}
+    if rev_file.exists():
+        rev_list = _read_json(rev_file, list, "a list of review records")
+        if not all(isinstance(r, dict) and "asin" in r for r in rev_list):
+            raise DataError(f"webshop: {rev_file}: every review record needs an asin")
+        reviews = {r["asin"]: r for r in rev_list}
     if num_products is not None:
         raw = raw[:num_products]
     products, seen = [], set()
-    for p in raw:
+    for i, p in enumerate(raw):
+        if not isinstance(p, dict):
+            raise DataError(
+                f"webshop: {pair[0]}: product {i} is a {type(p).__name__}, not an object"
+            )
         asin = p.get("asin")
         if not isinstance(asin, str) or asin == "nan" or len(asin) > 10 or asin in seen:
             continue
         seen.add(asin)
-        products.append(_product(p, attrs.get(asin), reviews.get(asin)))
+        try:
+            products.append(_product(p, attrs.get(asin), reviews.get(asin)))
+        except (KeyError, TypeError, AttributeError) as e:
+            what = f"lacks {e}" if isinstance(e, KeyError) else f"is malformed ({e})"
+            raise DataError(f"webshop: {pair[0]}: product {i} (asin {asin}) {what}") from None
+    for asin, ins_list in human.items():
+        if not isinstance(ins_list, list) or not all(
+            isinstance(x, dict)
+            and (not x.get("instruction_attributes") or isinstance(x.get("instruction"), str))
+            for x in ins_list
+        ):
+            raise DataError(
+                f"webshop: {root / HUMAN_FILE}: the entry of {asin} must be a list of "
+                "objects with an instruction text"
+            )
     rng = random.Random(price_seed)
     prices = {
         p["asin"]: p["pricing"][0] if len(p["pricing"]) == 1 else rng.uniform(*p["pricing"][:2])
@@ -288,6 +313,17 @@ def _read_catalogue(root: Path, num_products: int | None, price_seed: int) -> Ca
             )
     random.Random(GOAL_SHUFFLE_SEED).shuffle(goals)
     return Catalogue(root, products, prices, goals)
+
+
+def _read_json(path: Path, kind: type, shape: str) -> Any:
+    """A WebShop data file parsed, or a ``DataError`` naming it (bad JSON or wrong shape)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"webshop: {path} is not valid UTF-8 JSON ({e})") from None
+    if not isinstance(data, kind):
+        raise DataError(f"webshop: {path} holds a {type(data).__name__}; expected {shape}")
+    return data
 
 
 # ---------------------------------------------------------------------- environment

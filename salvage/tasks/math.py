@@ -9,7 +9,14 @@ Data sources (``MathData.source``):
   AIME, AMC layouts), or Minerva's layout where the answer is the last ``\\boxed{}`` of
   ``solution``;
 - ``*.parquet`` — verl layout: ``prompt`` (chat messages) and ``reward_model.ground_truth``.
-Malformed rows are skipped, counted and the first few reported.
+Malformed rows are skipped, counted and the first few reported. A file that cannot be read
+at all (not UTF-8, binary, a corrupt parquet) is refused with a ``DataError`` naming it.
+
+Task ids are ``<label>/<row id>``: the row's ``unique_id`` / ``id`` / ``idx`` (else its
+position), and the label of its source (the file stem or the reasoning-gym task). Ids are
+unique by construction: two rows of one file with the same id are refused (naming the file
+and both rows); sources of one split that share a label are told apart by their paths
+(``aime/test``, ``amc/test``; ``source_labels``), else by their ``name``.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from salvage.errors import ConfigError, DataError, MissingFileError
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +156,11 @@ class MathData:
         if not self.source.startswith("reasoning_gym:"):
             p = Path(self.source)
             if p.suffix not in (".jsonl", ".parquet"):
-                raise ValueError(
+                raise ConfigError(
                     f"data source {self.source!r}: expected reasoning_gym:<task>, a .jsonl or a .parquet file"
                 )
             if not p.exists():
-                raise FileNotFoundError(f"data source {self.source!r} does not exist")
+                raise MissingFileError(f"data source {self.source!r} does not exist")
         if self.size < 1:
             raise ValueError(f"data size must be >= 1, got {self.size}")
         if self.limit is not None and self.limit < 1:
@@ -165,24 +174,42 @@ def _with_suffix(problem: str, add: bool) -> str:
     return problem
 
 
-def load_math_tasks(data: MathData) -> tuple[list[MathTask], dict[str, Any]]:
-    """Tasks plus a report ``{"rows": n, "skipped": k, "examples": [...]}``."""
+def load_math_tasks(
+    data: MathData, label: str | None = None
+) -> tuple[list[MathTask], dict[str, Any]]:
+    """Tasks plus a report ``{"rows": n, "skipped": k, "examples": [...]}``.
+
+    ``label``: the task-id prefix (default: ``source_labels([data])[0]``, the file stem or
+    the reasoning-gym task name); a split of several sources passes ``source_labels``'s.
+    """
     if data.source.startswith("reasoning_gym:"):
         rows = _reasoning_gym_rows(data)
         stem = data.source.split(":", 1)[1]
+        where = [f"row {i}" for i in range(len(rows))]
     else:
         path = Path(data.source)
-        rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
+        where, rows = _jsonl_rows(path) if path.suffix == ".jsonl" else _parquet_rows(path)
         stem = path.stem
+    label = label or stem
     tasks: list[MathTask] = []
     skipped: list[str] = []
-    bench = data.name or stem
+    first_seen: dict[str, str] = {}
+    bench = data.name or label
     for i, row in enumerate(rows):
         try:
-            tasks.append(_row_to_task(row, i, stem, data))
-            tasks[-1].meta["family"] = bench
+            task = _row_to_task(row, i, label, data)
         except (KeyError, TypeError, ValueError) as e:
-            skipped.append(f"row {i}: {e}")
+            skipped.append(f"{where[i]}: {e}")
+            continue
+        if task.id in first_seen:
+            raise DataError(
+                f"data source {data.source!r}: {where[i]} repeats the id of {first_seen[task.id]} "
+                f"(task id {task.id!r}); task ids must be unique within a file "
+                "(fix or drop the id field)"
+            )
+        first_seen[task.id] = where[i]
+        task.meta["family"] = bench
+        tasks.append(task)
         if data.limit is not None and len(tasks) >= data.limit:
             break
     if skipped:
@@ -193,14 +220,60 @@ def load_math_tasks(data: MathData) -> tuple[list[MathTask], dict[str, Any]]:
             "; ".join(skipped[:3]),
         )
     if not tasks:
-        raise ValueError(
-            f"data source {data.source!r} yielded no usable tasks ({len(skipped)} skipped)"
+        raise DataError(
+            f"data source {data.source!r} yielded no usable tasks ({len(skipped)} skipped"
+            + (f"; first: {skipped[0]}" if skipped else "")
+            + ")"
         )
     return tasks, {
         "rows": len(tasks) + len(skipped),
         "skipped": len(skipped),
         "examples": skipped[:3],
     }
+
+
+def source_labels(sources: list[MathData], key: str = "data") -> list[str]:
+    """The task-id prefix of each source of one split, distinct by construction.
+
+    Each source's label is its file stem (or reasoning-gym task name). Files sharing a stem
+    get the shortest tail of their path that tells them apart (``aime/test.jsonl`` and
+    ``amc/test.jsonl`` -> ``aime/test``, ``amc/test``); sources still alike (the same file
+    or reasoning-gym task twice) take their ``name``. Sources that nothing tells apart are
+    refused (``key``: the config key named in the error, e.g. ``data.val``).
+    """
+
+    def parts(d: MathData) -> tuple[str, ...]:
+        if d.source.startswith("reasoning_gym:"):
+            return (d.source.split(":", 1)[1],)
+        p = Path(d.source).resolve().with_suffix("")
+        return p.parts[1:] if p.anchor else p.parts  # no leading "/" in a label
+
+    labels = [parts(d)[-1] for d in sources]
+    for label in set(labels):
+        same = [i for i, x in enumerate(labels) if x == label]
+        if len(same) < 2:
+            continue
+        longest = max(len(parts(sources[i])) for i in same)
+        for k in range(2, longest + 1):
+            tails = ["/".join(parts(sources[i])[-k:]) for i in same]
+            if len(set(tails)) == len(tails):
+                for i, t in zip(same, tails, strict=True):
+                    labels[i] = t
+                break
+        else:
+            names = [sources[i].name for i in same]
+            if any(n is None for n in names) or len(set(names)) < len(names):
+                shown = ", ".join(f"{key}[{i}] ({sources[i].source})" for i in same)
+                raise ConfigError(
+                    f"{shown} would give the same task ids ({label!r}); give each a distinct `name`"
+                )
+            for i, n in zip(same, names, strict=True):
+                labels[i] = str(n)
+    if len(set(labels)) < len(labels):  # a name equal to another source's label
+        raise ConfigError(
+            f"{key}: the sources' task-id labels {labels} are not distinct; rename them"
+        )
+    return labels
 
 
 def _row_to_task(row: Any, i: int, stem: str, data: MathData) -> MathTask:
@@ -224,10 +297,9 @@ def _row_to_task(row: Any, i: int, stem: str, data: MathData) -> MathTask:
         meta = {k: row[k] for k in ("level", "subject", "type") if k in row}
     if not answer:
         raise ValueError("empty answer")
-    tid = row.get("unique_id") or row.get("id") or row.get("idx")
-    return MathTask(
-        id=f"{stem}/{tid if tid is not None else i}", messages=messages, answer=answer, meta=meta
-    )
+    # the first id field present (an id of 0 is an id, not a missing one)
+    tid = next((row[k] for k in ("unique_id", "id", "idx") if row.get(k) is not None), i)
+    return MathTask(id=f"{stem}/{tid}", messages=messages, answer=answer, meta=meta)
 
 
 def _answer_text(answer: Any) -> str:
@@ -238,23 +310,49 @@ def _answer_text(answer: Any) -> str:
     return str(answer).strip()
 
 
-def _jsonl_rows(path: Path) -> list[Any]:
+def _jsonl_rows(path: Path) -> tuple[list[str], list[Any]]:
+    """(where each row is, e.g. ``line 3``; the rows); a line that is not JSON is its message."""
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is allowed
+        raw = raw[3:]
+    if b"\x00" in raw[:65536]:
+        raise DataError(
+            f"data source {str(path)!r} is not a text file (it holds NUL bytes: binary, or "
+            "UTF-16); save it as UTF-8 JSON lines"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"data source {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line "
+            f"{line}); save it as UTF-8 JSON lines"
+        ) from None
+    where: list[str] = []
     rows: list[Any] = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                rows.append(f"line {n}: invalid JSON ({e.msg})")  # counted as malformed
-    return rows
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where.append(f"line {n}")
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            rows.append(f"invalid JSON ({e.msg})")  # counted as malformed
+    return where, rows
 
 
-def _parquet_rows(path: Path) -> list[Any]:
+def _parquet_rows(path: Path) -> tuple[list[str], list[Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"data source {str(path)!r} is not a readable parquet file: {first}"
+        ) from None
+    return [f"row {i}" for i in range(len(rows))], rows
 
 
 def _reasoning_gym_rows(data: MathData) -> list[dict[str, Any]]:
