@@ -22,7 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from salvage.core.graft import hacpo_clip_range, hacpo_token_loss, luffy_token_loss
+from salvage.core.graft import luffy_token_loss, sequence_clipped_loss
 from salvage.core.grpo import (
     AGGREGATIONS,
     aggregation_denominator,
@@ -85,7 +85,8 @@ class _Row:
     seq: int
     peer: bool = False
     luffy: bool = False
-    hacpo_src: float | None = None  # HACPO peer row: the source's mean generation log-prob
+    # sequence-level ratio (HACPO rows, Table 2a's variant): (reference mean log-prob, low, high)
+    seq_ratio: tuple[float, float, float] | None = None
 
 
 class NonFiniteLossError(RuntimeError):
@@ -300,9 +301,7 @@ class GRPOModule(L.LightningModule):
                         seq=seq,
                         peer=traj.source != "self",
                         luffy=traj.info.get("loss") == "luffy",
-                        hacpo_src=traj.info.get("src_mean")
-                        if traj.info.get("loss") == "hacpo"
-                        else None,
+                        seq_ratio=_seq_ratio(traj.info.get("seq_ratio")),
                     )
                 )
             per_traj.append(idx)
@@ -546,18 +545,20 @@ class GRPOModule(L.LightningModule):
                 lm = torch.tensor([r.luffy for r in part], device=lp.device)[:, None]
                 loss_tok = torch.where(lm, luffy_token_loss(lp, tb.advantages), loss_tok)
                 clipped = torch.where(lm, torch.zeros_like(clipped), clipped)
-            if any(
-                r.hacpo_src is not None for r in part
-            ):  # HACPO peer rows: sequence-level clipped ratio
-                hm = torch.tensor([r.hacpo_src is not None for r in part], device=lp.device)[
-                    :, None
-                ]
-                src = torch.tensor([r.hacpo_src or 0.0 for r in part], device=lp.device)
-                h_loss, h_clip = hacpo_token_loss(
-                    lp, tb.response_mask, src, tb.advantages, hacpo_clip_range(self._step)[0]
+            if any(r.seq_ratio is not None for r in part):
+                # sequence-level ratio rows (HACPO, Table 2a): core.graft.sequence_clipped_loss
+                sr = [r.seq_ratio or (0.0, 0.0, math.inf) for r in part]
+                sm = torch.tensor([r.seq_ratio is not None for r in part], device=lp.device)
+                s_loss, s_clip = sequence_clipped_loss(
+                    lp,
+                    tb.response_mask,
+                    torch.tensor([x[0] for x in sr], device=lp.device),
+                    tb.advantages,
+                    torch.tensor([x[1] for x in sr], device=lp.device),
+                    torch.tensor([x[2] for x in sr], device=lp.device),
                 )
-                loss_tok = torch.where(hm, h_loss, loss_tok)
-                clipped = torch.where(hm, h_clip, clipped)
+                loss_tok = torch.where(sm[:, None], s_loss, loss_tok)
+                clipped = torch.where(sm[:, None], s_clip, clipped)
             aw = torch.zeros_like(lp)
             for i, r in enumerate(part):
                 aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
@@ -791,6 +792,14 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, **kwargs)
+
+
+def _seq_ratio(value: Any) -> tuple[float, float, float] | None:
+    """A trajectory's ``info["seq_ratio"]`` = (reference mean log-prob, low, high or None)."""
+    if value is None:
+        return None
+    ref, low, high = value
+    return float(ref), float(low), math.inf if high is None else float(high)
 
 
 def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:
