@@ -4,6 +4,7 @@
 - ``salvage export CKPT OUT_DIR``: a trained policy as an HF directory (``salvage.export``).
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
+- ``salvage test ... --repeats N``: N evaluation runs, mean ± std (``salvage.callbacks.repeats``).
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
@@ -25,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
+from salvage.callbacks.repeats import RepeatTable, repeats_argv  # noqa: E402
 from salvage.callbacks.summary import RunSummary  # noqa: E402
 from salvage.loggers import SafeCSVLogger  # noqa: E402
 
@@ -39,7 +41,7 @@ class SalvageCLI(LightningCLI):
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,
-                "callbacks": [CostTracker(), CheckpointCost(), RunSummary()],
+                "callbacks": [CostTracker(), CheckpointCost(), RunSummary(), RepeatTable()],
             },
         )
         super().__init__(*args, **kwargs)
@@ -84,6 +86,8 @@ def main(args: list[str] | None = None) -> None:
 
         export_main(argv[1:])
         return
+    if argv and argv[0] == "test":  # salvage test --repeats N (salvage.callbacks.repeats)
+        args = repeats_argv(argv)
     SalvageCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,

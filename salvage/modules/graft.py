@@ -30,6 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from salvage.core.evaluation import repeat_metrics
 from salvage.core.graft import (
     BALANCE,
     ORDERS,
@@ -411,7 +412,8 @@ class GRAFTModule(L.LightningModule):
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
-        self._eval_acc: dict[str, dict[str, list[float]]] = {"a": {}, "b": {}}
+        # per model: (repeat, benchmark) -> [successes, samples]
+        self._eval_acc: dict[str, dict[tuple[int, str], list[float]]] = {"a": {}, "b": {}}
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -426,7 +428,8 @@ class GRAFTModule(L.LightningModule):
             part = batch.extras[name]
             acc = self._eval_acc[name]
             for g in part.groups:
-                a = acc.setdefault(str(g.task.get("family", "all")), [0.0, 0.0])
+                key = (int(g.task.get("repeat", 0)), str(g.task.get("family", "all")))
+                a = acc.setdefault(key, [0.0, 0.0])
                 a[0] += sum(t.success for t in g.trajectories)
                 a[1] += len(g.trajectories)
 
@@ -434,10 +437,13 @@ class GRAFTModule(L.LightningModule):
         for name, acc in self._eval_acc.items():
             if not acc:
                 continue
-            per = {fam: v[0] / max(v[1], 1) for fam, v in acc.items()}
-            for fam, v in per.items():
-                self.log(f"{name}/{prefix}/success/{fam}", v, on_epoch=True)
-            self.log(f"{name}/{prefix}/aggregate", sum(per.values()) / len(per), on_epoch=True)
+            values = repeat_metrics(f"{name}/{prefix}", {k: (v[0], v[1]) for k, v in acc.items()})
+            if len({r for r, _ in acc}) == 1:  # one run: pass@1 per benchmark and the aggregate
+                values = {
+                    k: v for k, v in values.items() if "/repeat_" not in k and "_std" not in k
+                }
+            for k, v in values.items():
+                self.log(k, v, on_epoch=True)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")

@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from salvage.core.evaluation import repeat_metrics
 from salvage.core.graft import luffy_token_loss, sequence_clipped_loss
 from salvage.core.grpo import (
     AGGREGATIONS,
@@ -702,7 +703,7 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
-        self._eval_acc: dict[str, list[float]] = {}
+        self._eval_acc: dict[tuple[int, str], list[float]] = {}  # (repeat, benchmark)
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -723,14 +724,14 @@ class GRPOModule(L.LightningModule):
         )
         if self.trainer.world_size > 1:
             t = self.all_gather(t).sum(0)
-        per = (t[:, 0] / t[:, 1].clamp(min=1)).tolist()
-        self.log(
-            f"{prefix}/aggregate",
-            sum(per) / len(per),
-            on_step=False,
-            on_epoch=True,
-            rank_zero_only=True,
-        )
+        counts = {n: (float(x[0]), float(x[1])) for n, x in zip(names, t.tolist(), strict=True)}
+        values = repeat_metrics(prefix, counts)  # one repeat: the aggregate (std 0)
+        if len({r for r, _ in names}) == 1:
+            values = {f"{prefix}/aggregate": values[f"{prefix}/aggregate"]}
+        else:  # the per-benchmark means are logged per batch already (same numbers)
+            values = {k: v for k, v in values.items() if not _is_bench_mean(k, prefix)}
+        for k, v in values.items():
+            self.log(k, v, on_step=False, on_epoch=True, rank_zero_only=True)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -762,10 +763,13 @@ class GRPOModule(L.LightningModule):
             sync_dist=True,
         )
         by_family: dict[str, list[float]] = {}
+        by_repeat: dict[tuple[int, str], list[float]] = {}  # salvage test --repeats
         for g in batch.groups:
             fam = g.task.get("family")
             if fam:
-                by_family.setdefault(str(fam), []).extend(float(t.success) for t in g.trajectories)
+                ok = [float(t.success) for t in g.trajectories]
+                by_family.setdefault(str(fam), []).extend(ok)
+                by_repeat.setdefault((int(g.task.get("repeat", 0)), str(fam)), []).extend(ok)
         acc = getattr(self, "_eval_acc", None)
         if acc is None:
             acc = self._eval_acc = {}
@@ -777,7 +781,8 @@ class GRPOModule(L.LightningModule):
                 on_epoch=True,
                 batch_size=len(vals),
             )
-            a = acc.setdefault(fam, [0.0, 0.0])
+        for key, vals in by_repeat.items():
+            a = acc.setdefault(key, [0.0, 0.0])
             a[0] += sum(vals)
             a[1] += len(vals)
 
@@ -792,6 +797,10 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, **kwargs)
+
+
+def _is_bench_mean(key: str, prefix: str) -> bool:
+    return key.startswith(f"{prefix}/success/") and not key.endswith("_std")
 
 
 def _seq_ratio(value: Any) -> tuple[float, float, float] | None:
