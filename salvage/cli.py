@@ -1,6 +1,7 @@
 """The ``salvage`` console script: LightningCLI with salvage's defaults.
 
 - ``salvage report RUN_DIR``: PNG plots and a markdown summary of a run (``salvage.report``).
+- ``salvage joint-cost RUN_A RUN_B``: separate runs' best-checkpoint GPU-hours and their sum.
 - ``salvage export CKPT OUT_DIR``: a trained policy as an HF directory (``salvage.export``).
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
@@ -80,6 +81,11 @@ def main(args: list[str] | None = None) -> None:
         from salvage.report import main as report_main
 
         report_main(argv[1:])
+        return
+    if argv and argv[0] == "joint-cost":  # separate runs' checkpoint costs and their sum
+        from salvage.joint_cost import main as joint_cost_main
+
+        joint_cost_main(argv[1:])
         return
     if argv and argv[0] == "export":
         from salvage.export import main as export_main
