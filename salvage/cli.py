@@ -1,9 +1,11 @@
 """The ``salvage`` console script: LightningCLI with salvage's defaults.
 
 - ``salvage report RUN_DIR``: PNG plots and a markdown summary of a run (``salvage.report``).
+- ``salvage joint-cost RUN_A RUN_B``: separate runs' best-checkpoint GPU-hours and their sum.
 - ``salvage export CKPT OUT_DIR``: a trained policy as an HF directory (``salvage.export``).
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
+- ``salvage test ... --repeats N``: N evaluation runs, mean ± std (``salvage.callbacks.repeats``).
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
@@ -32,6 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
+from salvage.callbacks.repeats import RepeatTable, repeats_argv  # noqa: E402
 from salvage.callbacks.summary import RunSummary  # noqa: E402
 from salvage.checkpointing import (  # noqa: E402
     RESUMABLE_KEYS,
@@ -67,7 +70,7 @@ class SalvageCLI(LightningCLI):
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,
-                "callbacks": [CostTracker(), CheckpointCost(), RunSummary()],
+                "callbacks": [CostTracker(), CheckpointCost(), RunSummary(), RepeatTable()],
             },
         )
         super().__init__(*args, **kwargs)
@@ -232,11 +235,18 @@ def _run(argv: list[str], from_sys_argv: bool = False) -> None:
 
         report_main(argv[1:])
         return
+    if argv and argv[0] == "joint-cost":  # separate runs' checkpoint costs and their sum
+        from salvage.joint_cost import main as joint_cost_main
+
+        joint_cost_main(argv[1:])
+        return
     if argv and argv[0] == "export":
         from salvage.export import main as export_main
 
         export_main(argv[1:])
         return
+    if argv and argv[0] == "test":  # salvage test --repeats N (salvage.callbacks.repeats)
+        argv = repeats_argv(argv)
     check_config_files(argv)
     if from_sys_argv:
         sys.argv[1:] = argv  # without --debug; LightningCLI reads sys.argv itself

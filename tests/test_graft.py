@@ -230,12 +230,34 @@ def test_pooled_groups_recompute_advantages_over_receiver_and_peer():
     assert adv[0] == pytest.approx(-0.125 / 0.353553, abs=1e-4)
 
 
-def test_random_admission_weights_are_zero_or_one():
-    module, src, dst = _pair(admission="random", p_admit=0.5)
+def test_random_admission_draws_the_gate_count_through_the_core():
     import random
 
+    from salvage.core.graft import random_admission
+
+    module, src, dst = _pair(admission="random")
     w = module.receive(src, dst, [0], module.b, random.Random(0))
-    assert set(w) <= {0.0, 1.0} and len(w) == 4
+    s = [t.info["compat"] for t in dst.groups[0].trajectories]
+    # the running code uses core.graft.random_admission on the direction's scores, same stream
+    assert w == random_admission(s, 0.8, random.Random(0))
+    assert sum(x > 0 for x in w) == sum(x > 0.8 for x in s)
+    assert all(x == pytest.approx(min(si, 1.0)) for x, si in zip(w, s, strict=True) if x > 0)
+    assert [t.weight for t in dst.groups[0].trajectories] == w
+
+
+def test_uniform_order_keeps_the_peer_minibatch_whole():
+    import random
+
+    module = GRAFTModule(num_minibatches=3, order="uniform")
+    groups = [Group(f"q{i}", [], info={"peer": i in (1, 3)}) for i in range(6)]
+    seen = set()
+    for seed in range(30):
+        batch = RolloutBatch(groups=list(groups))
+        module._order(batch, random.Random(seed))
+        got = batch.extras["minibatch_groups"]
+        assert sorted(got) == [[0, 2], [1, 3], [4, 5]]  # peer-last packing, groups never moved
+        seen.add(tuple(map(tuple, got)))
+    assert len(seen) == 6
 
 
 def test_bad_graft_config_is_refused():
@@ -292,6 +314,65 @@ def test_sgt_adds_an_nll_term_instead_of_replacing_groups(tmp_path):
     assert "b/loss/nll" in m and "a/loss/nll" in m and math.isfinite(float(m["b/loss/nll"]))
 
 
+class AllSolvedByA(GraftDataModule):
+    """A solves prompt 0 fully (4 of 4) and prompt 1 once; B solves nothing: SGT's rule takes
+    both prompts A -> B, GRAFT's complementary selection only prompt 1 (k_A = n is excluded)."""
+
+    def train_rollout(self, tasks):
+        batch = super().train_rollout(tasks)
+        plan = {"a": [[1, 1, 1, 1], [1, 0, 0, 0]], "b": []}
+        for name, rows in plan.items():
+            for g, succ in zip(batch.extras[name].groups, rows + [[0] * 4] * 8, strict=False):
+                for t, ok in zip(g.trajectories, succ, strict=True):
+                    t.success, t.reward = bool(ok), float(ok)
+                assign_advantages(g, "grpo", 1e-6, 1e-6, 1e-6)
+        return batch
+
+
+def _fit_one_step(module, tmp_path, data_cls=None):
+    data = (data_cls or ScriptedOutcomes)(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    return trainer.callback_metrics
+
+
+@pytest.mark.parametrize("restrict, want", [(False, 2), (True, 1)])
+def test_sgt_restricted_to_graft_selection(tmp_path, restrict, want):
+    module = GRAFTModule(
+        lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="sgt", restrict_to_selection=restrict
+    )
+    m = _fit_one_step(module, tmp_path, AllSolvedByA)
+    assert float(m["graft/transferred_a_to_b"]) == want
+    assert float(m["graft/transferred_b_to_a"]) == 0
+
+
+def test_hacpo_restricted_fit_pools_everywhere_but_selects_like_graft(tmp_path):
+    module = GRAFTModule(
+        lr=1e-3,
+        num_minibatches=2,
+        micro_batch_size=8,
+        mode="hacpo",
+        kl_coef=1e-3,
+        restrict_to_selection=True,
+    )
+    m = _fit_one_step(module, tmp_path)
+    assert float(m["graft/transferred_a_to_b"]) == 4  # HACPO pools every prompt
+    assert float(m["graft/selected_a_to_b"]) == 1 and float(m["graft/selected_b_to_a"]) == 1
+
+
 def test_hacpo_pools_every_prompt_with_capability_advantages(tmp_path):
     module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, mode="hacpo", kl_coef=1e-3)
     data = ScriptedOutcomes(
@@ -324,17 +405,83 @@ def test_hacpo_receive_by_hand():
     src_means = [
         sum(t.turns[0].logprobs) / len(t.turns[0].logprobs) for t in src.groups[0].trajectories
     ]
+    own_means = [
+        sum(t.turns[0].logprobs) / len(t.turns[0].logprobs) for t in dst.groups[0].trajectories
+    ]
     w = module.receive(src, dst, [0], module.b)
     g = dst.groups[0]
     assert w == [1.0] * 4 and [t.source for t in g.trajectories] == ["self"] * 4 + ["peer"] * 4
     assert [t.info["loss"] for t in g.trajectories[4:]] == ["hacpo"] * 4
-    assert [t.info["src_mean"] for t in g.trajectories[4:]] == pytest.approx(src_means)
+    # GRAFT Appendix B: peers exp(mean logp - source mean) in [0.8 + 0.025 * 0, no upper bound];
+    # own responses exp(mean logp - mean logp_old) in [1 - 3e-4, 1 + 4e-4]
+    for t, m in zip(g.trajectories[4:], src_means, strict=True):
+        assert t.info["seq_ratio"][0] == pytest.approx(m)
+        assert t.info["seq_ratio"][1:] == (pytest.approx(0.8), None)
+    for t, m in zip(g.trajectories[:4], own_means, strict=True):
+        assert t.info["seq_ratio"] == (pytest.approx(m), 1 - 3e-4, 1 + 4e-4)
     # capabilities on this batch: receiver 0/4, peer 1/4 -> omega = 0.05 / 0.30 = 1/6
     # rewards [0,0,0,0 | 1,0,0,0], weights [1,1,1,1 | 1/6 x 4]: b = (1/6) / (4 + 4/6) = 1/28
     b = 1 / 28
     var = (4 * b**2 + (1 / 6) * ((1 - b) ** 2 + 3 * b**2)) / (4 + 4 / 6)
     assert g.trajectories[4].advantage == pytest.approx((1 - b) / math.sqrt(var), abs=1e-4)
     assert g.trajectories[0].advantage == pytest.approx(-b / math.sqrt(var), abs=1e-4)
+
+
+def test_hacpo_peer_lower_bound_rises_per_step_and_upper_bound_is_a_switch():
+    from salvage.modules.graft import transplant
+
+    for high, want in ((None, (pytest.approx(0.8 + 0.025 * 12), None)), (1.0, (1.0, 1.0))):
+        module, src, dst = _pair(mode="hacpo", hacpo_peer_high=high)
+        opts = dict(module.hparams) | {"step": 12}
+        transplant(src, dst, [0], module.b, opts, __import__("random").Random(0))
+        assert dst.groups[0].trajectories[4].info["seq_ratio"][1:] == want
+
+
+def test_hacpo_restricted_to_graft_selection_zeroes_peer_advantages_elsewhere():
+    module, src, dst = _pair(mode="hacpo", restrict_to_selection=True)
+    module.receive(src, dst, [0], module.b, live=[])  # prompt 0 not in GRAFT's selection
+    assert [t.advantage for t in dst.groups[0].trajectories[4:]] == [0.0] * 4
+    assert any(t.advantage != 0 for t in dst.groups[0].trajectories[:4])  # own: HACPO's baseline
+    module, src, dst = _pair(mode="hacpo", restrict_to_selection=True)
+    module.receive(src, dst, [0], module.b, live=[0])
+    assert dst.groups[0].trajectories[4].advantage > 0  # the peer's success keeps its advantage
+
+
+def test_sequence_peer_ratio_variant_marks_peer_rows():
+    module, src, dst = _pair(peer_ratio="sequence")
+    module.receive(src, dst, [0], module.b)
+    for t in dst.groups[0].trajectories:  # Table 2a: the receiver's pi_old mean, clip 0.2 / 0.28
+        ref = sum(t.turns[0].logprobs) / len(t.turns[0].logprobs)
+        assert t.info["seq_ratio"] == (pytest.approx(ref), 0.8, 1.28)
+
+
+def test_sequence_ratio_rows_use_the_core_loss_in_the_update():
+    from salvage.modules.grpo import GRPOModule
+
+    learner = GRPOModule(policy=PolicySpec("tiny"), lr=1e-3, micro_batch_size=8)
+    learner.configure_model()
+    learner.policy.eval()
+    tok = learner.tokenizer
+    s = HFEngine(learner.policy, tok, max_new_tokens=6).generate([_prompt(tok)], n=1, seed=1)[0][0]
+    mean_old = sum(s.logprobs) / len(s.logprobs)
+
+    def loss(seq_ratio):
+        t = Trajectory(
+            turns=[Turn(s.prompt_ids, s.response_ids, s.logprobs, response_text=s.text)],
+            reward=1.0,
+            success=True,
+            advantage=1.0,
+            source="peer",
+            info={"loss": "hacpo", "seq_ratio": seq_ratio},
+        )
+        batch = RolloutBatch(groups=[Group("q", [t])], temperature=1.0)
+        opt = torch.optim.SGD(learner.policy.parameters(), lr=0.0)
+        return learner.update(batch, opt, None, 0)["loss/policy"]
+
+    # the policy is pi_old, so with the reference mean lowered by 0.5, rho = e^0.5, A = +1:
+    # no upper bound -> token-mean of -e^0.5; upper bound 1 + 4e-4 -> -1.0004
+    assert loss((mean_old - 0.5, 0.8, None)) == pytest.approx(-math.exp(0.5), abs=1e-4)
+    assert loss((mean_old - 0.5, 1 - 3e-4, 1 + 4e-4)) == pytest.approx(-1.0004, abs=1e-5)
 
 
 def test_checkpoint_cost_by_hand():
@@ -408,7 +555,7 @@ def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
             "test",
             *common,
             "--ckpt_path",
-            str(run / "checkpoints" / "last.ckpt"),
+            str(run / "version_0" / "checkpoints" / "last.ckpt"),
         ],
         cwd=tmp_path,
         env=env,

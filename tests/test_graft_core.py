@@ -13,14 +13,16 @@ from salvage.core.graft import (
     compatibility,
     complementary,
     hacpo_clip_range,
-    hacpo_sequence_ratio,
     luffy_token_loss,
     mean_logprob,
     order_groups,
+    plan_minibatches,
     pooled_advantages,
     random_admission,
     select_transfers,
     select_unidirectional,
+    sequence_clipped_loss,
+    sequence_ratio,
     sgt_pick,
     split_minibatches,
 )
@@ -93,10 +95,23 @@ def test_minibatch_order():
     peer = [False, True, False, True, False, False]
     assert order_groups(peer, "peer-last", random.Random(0)) == [0, 2, 4, 5, 1, 3]
     assert order_groups(peer, "peer-first", random.Random(0)) == [1, 3, 0, 2, 4, 5]
-    u = order_groups(peer, "uniform", random.Random(0))
-    assert sorted(u) == list(range(6)) and u != [0, 2, 4, 5, 1, 3]
     # peer-last with 2 minibatches: the peer groups land in the last one
     assert split_minibatches([0, 2, 4, 5, 1, 3], 2) == [[0, 2, 4], [5, 1, 3]]
+    assert plan_minibatches(peer, "peer-last", 3, random.Random(0)) == [[0, 2], [4, 5], [1, 3]]
+    assert plan_minibatches(peer, "peer-first", 3, random.Random(0)) == [[1, 3], [0, 2], [4, 5]]
+
+
+def test_uniform_order_shuffles_the_minibatches_not_the_groups():
+    # SPEC 3.3: the peer-last minibatches [[0, 2], [4, 5], [1, 3]] keep their groups (the two
+    # peer groups stay together in one minibatch); only their order changes from step to step
+    peer = [False, True, False, True, False, False]
+    chunks = [[0, 2], [4, 5], [1, 3]]
+    seen = set()
+    for seed in range(40):
+        got = plan_minibatches(peer, "uniform", 3, random.Random(seed))
+        assert sorted(got) == sorted(chunks)
+        seen.add(tuple(map(tuple, got)))
+    assert len(seen) == 6  # all 3! orders occur
 
 
 def test_pooled_advantages_eps():
@@ -118,15 +133,32 @@ def test_sgt_pick_and_hacpo_pieces():
     assert sgt_pick([False, True, False, True], 0, random.Random(0)) in {1, 3}
     assert sgt_pick([False, True], 2, random.Random(0)) is None  # receiver solved some
     assert sgt_pick([False, False], 0, random.Random(0)) is None
-    assert hacpo_clip_range(0) == (pytest.approx(0.8), 1.0)
-    assert hacpo_clip_range(4) == (pytest.approx(0.9), 1.0)
-    assert hacpo_clip_range(100) == (1.0, 1.0)
-    assert hacpo_sequence_ratio(-1.0, -1.5) == pytest.approx(math.exp(0.5))
+    # GRAFT Appendix B: lower bound 0.8 + 0.025 step, no upper bound (and no cap on the lower)
+    assert hacpo_clip_range(0) == (pytest.approx(0.8), math.inf)
+    assert hacpo_clip_range(4) == (pytest.approx(0.9), math.inf)
+    assert hacpo_clip_range(100) == (pytest.approx(3.3), math.inf)
+    # the labelled switch: an upper bound of 1 also caps the rising lower bound
+    assert hacpo_clip_range(4, high=1.0) == (pytest.approx(0.9), 1.0)
+    assert hacpo_clip_range(100, high=1.0) == (1.0, 1.0)
 
 
-def test_random_admission_rate():
-    w = random_admission(2000, 0.3, random.Random(0))
-    assert set(w) == {0.0, 1.0} and abs(sum(w) / 2000 - 0.3) < 0.04
+def test_random_admission_draws_exactly_the_gate_count_by_hand():
+    # s = [0.9, 0.5, 1.2, 0.7, 0.85], delta 0.8: three pass the gate (0.9, 1.2, 0.85), so exactly
+    # three responses are drawn uniformly from all five; a drawn one weighs min(s, 1), so a drawn
+    # s = 0.5 keeps 0.5 (the floor only sets the count), the others weigh 0
+    s = [0.9, 0.5, 1.2, 0.7, 0.85]
+    counts = [0] * 5
+    for seed in range(300):
+        w = random_admission(s, 0.8, random.Random(seed))
+        drawn = [i for i, x in enumerate(w) if x > 0]
+        assert len(drawn) == 3
+        assert all(w[i] == pytest.approx(min(s[i], 1.0)) for i in drawn)
+        for i in drawn:
+            counts[i] += 1
+    # uniform: each index is drawn with probability 3/5 (180 of 300 on average)
+    assert all(140 < c < 220 for c in counts), counts
+    assert random_admission([0.1, 0.2], 0.8, random.Random(0)) == [0.0, 0.0]  # none pass
+    assert random_admission([], 0.8, random.Random(0)) == []
 
 
 def test_capability_weighted_baseline_by_hand():
@@ -150,25 +182,37 @@ def test_capability_weighted_baseline_by_hand():
     ) and a_peer.tolist() == pytest.approx([1.0, -1.0], abs=1e-4)
 
 
-def test_hacpo_token_loss_by_hand():
-    from salvage.core.graft import hacpo_clip_range, hacpo_token_loss
-
-    # row 0: target mean log-prob -1.0, source mean -1.5 -> rho = e^0.5 = 1.6487, A = +1:
-    #   min(1.6487, clip(1.6487, 0.8, 1) = 1) = 1 -> loss -1 on each of its 2 tokens, clipped
+def test_sequence_clipped_loss_by_hand():
+    # row 0: target mean log-prob -1.0, source mean -1.5 -> rho = e^0.5 = 1.6487, A = +1: with no
+    #   upper bound (HACPO as the GRAFT paper ran it) min(1.6487, clip(1.6487, 0.8, inf)) = 1.6487
+    #   -> loss -1.6487 on each of its 2 tokens, not clipped
     # row 1: target mean -2.0, source -1.0 -> rho = e^-1 = 0.3679, A = -2:
     #   min(-0.7358, clip -> 0.8 * -2 = -1.6) = -1.6 -> loss +1.6, clipped; its padding stays 0
     lp = torch.tensor([[-1.0, -1.0], [-2.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
-    low, high = hacpo_clip_range(0)
-    assert (
-        low == pytest.approx(0.8) and high == 1.0 and hacpo_clip_range(8)[0] == pytest.approx(1.0)
+    ref = torch.tensor([-1.5, -1.0])
+    assert sequence_ratio(lp, mask, ref).tolist() == pytest.approx(
+        [math.exp(0.5), math.exp(-1.0)], abs=1e-6
     )
-    loss, clipped = hacpo_token_loss(lp, mask, torch.tensor([-1.5, -1.0]), adv, low, high)
+    low, high = hacpo_clip_range(0)
+    loss, clipped = sequence_clipped_loss(lp, mask, ref, adv, low, high)
+    e = math.exp(0.5)
+    assert torch.allclose(loss, torch.tensor([[-e, -e], [1.6, 0.0]]), atol=1e-4)
+    assert clipped.tolist() == [[0.0, 0.0], [1.0, 0.0]]
+    # with the upper-bound switch at 1, row 0 is clipped to 1 -> loss -1
+    loss, clipped = sequence_clipped_loss(lp, mask, ref, adv, *hacpo_clip_range(0, high=1.0))
     assert torch.allclose(loss, torch.tensor([[-1.0, -1.0], [1.6, 0.0]]), atol=1e-4)
     assert clipped.tolist() == [[1.0, 1.0], [1.0, 0.0]]
-    # inside the range: rho = e^-0.1 = 0.9048, A = 1 -> -0.9048, not clipped
-    loss, clipped = hacpo_token_loss(
-        torch.tensor([[-1.1]]), torch.ones(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), low, high
+    # HACPO's own responses: deltas 3e-4 / 4e-4; mean log-ratio 1e-3 -> rho = 1.0010005 > 1.0004,
+    # A = +1 -> clipped at 1.0004; per-row bounds (row 1: peer bounds, inside the range: rho = e^-0.1)
+    loss, clipped = sequence_clipped_loss(
+        torch.tensor([[-0.999], [-1.1]]),
+        torch.ones(2, 1),
+        torch.tensor([-1.0, -1.0]),
+        torch.ones(2, 1),
+        torch.tensor([1 - 3e-4, 0.8]),
+        torch.tensor([1 + 4e-4, math.inf]),
     )
-    assert loss.item() == pytest.approx(-math.exp(-0.1), abs=1e-5) and clipped.item() == 0.0
+    assert loss[:, 0].tolist() == pytest.approx([-1.0004, -math.exp(-0.1)], abs=1e-6)
+    assert clipped[:, 0].tolist() == [1.0, 0.0]

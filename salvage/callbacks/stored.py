@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning as L
 
-from salvage.core.graft import order_groups, select_unidirectional, split_minibatches
+from salvage.core.graft import plan_minibatches, select_unidirectional
 from salvage.datamodules.common import assign_advantages, step_seed
 from salvage.distributed import gathered
 from salvage.errors import DataError, MissingFileError
@@ -127,7 +127,7 @@ class StoredPeer(L.Callback):
 
     Args:
         dirpath: the partner's ``rollouts`` directory.
-        delta / gate / floor / peer_filter / admission / p_admit: as ``GRAFTModule``.
+        delta / gate / floor / peer_filter / admission: as ``GRAFTModule``.
         seed: seed of the random admission stream.
     """
 
@@ -139,7 +139,6 @@ class StoredPeer(L.Callback):
         floor: bool = True,
         peer_filter: str = "all",
         admission: str = "compat",
-        p_admit: float = 0.5,
         seed: int = 0,
     ) -> None:
         if not 0 < delta <= 1:
@@ -152,7 +151,6 @@ class StoredPeer(L.Callback):
             "peer_filter": peer_filter,
             "peer_advantage": "source",
             "admission": admission,
-            "p_admit": p_admit,
             "peer_loss": "clip",
         }
         self.seed = seed
@@ -242,11 +240,11 @@ class StoredPeer(L.Callback):
                 random.Random(step_seed(self.seed, step, 31)),
             )
         self.transferred += len(prompts)
-        order = order_groups(
-            [bool(g.info.get("peer")) for g in batch.groups], "peer-last", random.Random(0)
-        )
-        batch.extras["minibatch_groups"] = split_minibatches(
-            order, pl_module.hparams.num_minibatches
+        batch.extras["minibatch_groups"] = plan_minibatches(
+            [bool(g.info.get("peer")) for g in batch.groups],
+            "peer-last",
+            pl_module.hparams.num_minibatches,
+            random.Random(0),
         )
         pl_module.record(
             {

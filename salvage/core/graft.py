@@ -7,8 +7,11 @@ No models, no tokenizers, no global RNG (every random choice takes a ``random.Ra
 Rules marked "ours" in SPEC, named where implemented:
 - ``balance="min_ratio"``: each direction transfers at most ``ceil(rho * max(m_other, 1))``
   prompts, chosen uniformly at random;
-- random admission (a baseline): each peer response is admitted with probability
-  ``p_admit`` and weight 1 (ours: SPEC names the variant without a rate).
+- uniform order (a baseline): the minibatches are packed as in peer-last (the peer groups
+  together) and only their order is shuffled; the paper says only "shuffles the minibatch
+  order", so the packing is ours;
+- HACPO's peer lower bound ``0.8 + 0.025 step`` is not capped (the paper gives no cap);
+  with the optional upper bound (a switch, off) it is capped at that bound.
 """
 
 from __future__ import annotations
@@ -94,26 +97,48 @@ def compat_weight(s: float, delta: float = 0.8, gate: bool = True, floor: bool =
     return w
 
 
-def random_admission(n: int, p_admit: float, rng: random.Random) -> list[float]:
-    """Random-admission baseline (ours): weight 1 with probability ``p_admit``, else 0."""
-    if not 0 <= p_admit <= 1:
-        raise ValueError(f"graft.p_admit={p_admit!r} must be in [0, 1]")
-    return [1.0 if rng.random() < p_admit else 0.0 for _ in range(n)]
+def random_admission(scores: Sequence[float], delta: float, rng: random.Random) -> list[float]:
+    """Random-admission baseline (SPEC §3.3): as many responses as pass the gate, drawn at random.
+
+    ``scores``: the compatibility ``s`` of every response of the transferred peer groups (one
+    direction, one step). ``m = #{s > delta}`` responses are sampled uniformly without
+    replacement from all of them; each sampled one weighs ``min(s, 1)`` (the floor only sets
+    the count), every other one 0.
+    """
+    if not 0 < delta <= 1:
+        raise ValueError(f"graft.delta={delta!r} must be in (0, 1]")
+    m = sum(s > delta for s in scores)
+    chosen = set(rng.sample(range(len(scores)), m))
+    return [min(s, 1.0) if i in chosen else 0.0 for i, s in enumerate(scores)]
 
 
 def order_groups(is_peer: Sequence[bool], order: str, rng: random.Random) -> list[int]:
-    """Group order before splitting into minibatches: peer groups last (default), first, or shuffled."""
+    """Group order whose contiguous chunks are the minibatches: peer groups last or first.
+
+    ``uniform`` packs like ``peer-last`` (groups stay where selection put them); the order
+    of the minibatches themselves is shuffled by ``plan_minibatches``.
+    """
     if order not in ORDERS:
         raise ValueError(f"graft.order must be one of {ORDERS}, got {order!r}")
     own = [i for i, p in enumerate(is_peer) if not p]
     peer = [i for i, p in enumerate(is_peer) if p]
-    if order == "peer-last":
-        return own + peer
     if order == "peer-first":
         return peer + own
-    idx = list(range(len(is_peer)))
-    rng.shuffle(idx)
-    return idx
+    return own + peer
+
+
+def plan_minibatches(
+    is_peer: Sequence[bool], order: str, num_minibatches: int, rng: random.Random
+) -> list[list[int]]:
+    """Group indices of each minibatch, in update order (SPEC §3.2 peer-last; §3.3 variants).
+
+    ``peer-last`` / ``peer-first``: the peer groups fill the last / first minibatches.
+    ``uniform``: the peer-last minibatches, their order shuffled uniformly (every step).
+    """
+    chunks = split_minibatches(order_groups(is_peer, order, rng), num_minibatches)
+    if order == "uniform":
+        rng.shuffle(chunks)
+    return chunks
 
 
 def split_minibatches(order: Sequence[int], num_minibatches: int) -> list[list[int]]:
@@ -151,14 +176,58 @@ def sgt_pick(successes: Sequence[bool], k_receiver: int, rng: random.Random) -> 
     return rng.choice(ok)
 
 
-def hacpo_clip_range(step: int, eps: float = 0.2, ramp: float = 0.025) -> tuple[float, float]:
-    """HACPO's peer ratio range ``[1 - eps + ramp * step, 1]`` (the lower end capped at 1)."""
-    return min(1.0, 1.0 - eps + ramp * step), 1.0
+def hacpo_clip_range(
+    step: int, start: float = 0.8, ramp: float = 0.025, high: float | None = None
+) -> tuple[float, float]:
+    """HACPO's peer-ratio range at ``step``: lower bound ``start + ramp * step``, no upper bound.
+
+    ``high`` (a switch, off in the GRAFT paper's configuration): an upper bound; the lower
+    bound is then capped at it. Returns (low, high) with ``high = inf`` when unbounded.
+    """
+    low = start + ramp * step
+    if high is None:
+        return low, math.inf
+    return min(low, high), high
 
 
-def hacpo_sequence_ratio(lbar_target: float, lbar_source: float) -> float:
-    """HACPO's sequence-level ratio ``exp(mean logp_target - mean logp_source)``."""
-    return math.exp(lbar_target - lbar_source)
+def sequence_ratio(
+    logprobs: torch.Tensor, mask: torch.Tensor, ref_mean: torch.Tensor
+) -> torch.Tensor:
+    """Sequence-level ratio per row: ``exp(mean_t logp_theta - ref_mean)`` over the masked tokens.
+
+    ``ref_mean``: the behaviour's mean token log-prob of the row (the receiver's pi_old for
+    its own or re-tokenised rows; the source's generation log-probs for HACPO peer rows).
+    """
+    m = mask.to(logprobs.dtype)
+    mean_lp = (logprobs * m).sum(-1) / m.sum(-1).clamp(min=1)
+    return torch.exp(mean_lp - ref_mean.to(logprobs.dtype))
+
+
+def sequence_clipped_loss(
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    ref_mean: torch.Tensor,
+    advantages: torch.Tensor,
+    low: torch.Tensor | float,
+    high: torch.Tensor | float = math.inf,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate with a sequence-level ratio (HACPO; Table 2a's sequence-ratio variant).
+
+    Per row: ``-min(rho A, clip(rho, low, high) A)`` with ``rho = sequence_ratio(...)``, written
+    on every response token of the row (token-mean aggregation then weighs rows by length).
+    ``low``/``high``: scalars or per-row tensors (``inf``: no upper bound). Returns (per-token
+    loss, per-token clipped flag). ``logprobs``/``mask``/``advantages``: [rows, T];
+    ``ref_mean``: [rows].
+    """
+    m = mask.to(logprobs.dtype)
+    rho = sequence_ratio(logprobs, mask, ref_mean)
+    adv = (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
+    lo = torch.as_tensor(low, dtype=rho.dtype, device=rho.device)
+    hi = torch.as_tensor(high, dtype=rho.dtype, device=rho.device)
+    unclipped, clipped_rho = rho * adv, torch.minimum(torch.maximum(rho, lo), hi) * adv
+    surrogate = torch.minimum(unclipped, clipped_rho)
+    was_clipped = (clipped_rho < unclipped).to(logprobs.dtype)
+    return -surrogate[:, None] * m, was_clipped[:, None] * m
 
 
 def capability_advantages(
@@ -184,27 +253,3 @@ def capability_advantages(
     sigma = ((w * (r - b) ** 2).sum() / w.sum()).sqrt()
     a = ((r - b) / (sigma + eps)).to(torch.float32)
     return a[: r_receiver.numel()], a[r_receiver.numel() :]
-
-
-def hacpo_token_loss(
-    logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    source_mean: torch.Tensor,
-    advantages: torch.Tensor,
-    low: float,
-    high: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """HACPO's peer loss with a sequence-level ratio ``rho = exp(mean logp_target - mean logp_source)``.
-
-    Per row: ``-min(rho A, clip(rho, low, high) A)``, written on every response token of the
-    row (so token-mean aggregation weighs rows by length); returns (per-token loss, per-token
-    clipped flag). ``logprobs``/``mask``/``advantages``: [rows, T]; ``source_mean``: [rows].
-    """
-    m = mask.to(logprobs.dtype)
-    mean_lp = (logprobs * m).sum(-1) / m.sum(-1).clamp(min=1)
-    rho = torch.exp(mean_lp - source_mean.to(logprobs.dtype))
-    adv = (advantages * m).sum(-1) / m.sum(-1).clamp(min=1)
-    unclipped, clipped_rho = rho * adv, rho.clamp(low, high) * adv
-    surrogate = torch.minimum(unclipped, clipped_rho)
-    was_clipped = (clipped_rho < unclipped).to(logprobs.dtype)
-    return -surrogate[:, None] * m, was_clipped[:, None] * m

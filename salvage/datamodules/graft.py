@@ -58,7 +58,7 @@ class GraftDataModule(RLVRDataModule):
         return self._both(
             tasks,
             self.val_samples,
-            step_seed(self.seed, self.trainer.global_step, 1),
+            self.eval_seed(),
             temperature=self.val_temperature,
             top_p=self.val_top_p,
             advantages=False,

@@ -8,6 +8,7 @@ from typing import Any
 
 from salvage.datamodules.base import RolloutDataModule
 from salvage.datamodules.common import step_seed
+from salvage.datamodules.repeats import RepeatedTest
 from salvage.errors import DataError
 from salvage.rollout.config import EngineConfig, generate_with_retry
 from salvage.tasks.math import (
@@ -23,7 +24,7 @@ from salvage.types import Group, RolloutBatch, Trajectory, Turn
 log = logging.getLogger(__name__)
 
 
-class RLVRDataModule(RolloutDataModule):
+class RLVRDataModule(RepeatedTest, RolloutDataModule):
     """Math RLVR rollouts: ``prompts_per_step`` prompts x ``group_size`` samples per step.
 
     Args:
@@ -43,6 +44,9 @@ class RLVRDataModule(RolloutDataModule):
         max_prompt_tokens: longer prompts keep their last tokens (counted).
         reward: the verifier; default math-verify on the last \\boxed{}.
         seed: seed of the task order and of every sampling stream.
+        test_repeats: ``salvage test`` samples the test benchmarks this many times, each
+            with its own seed, and reports per repeat, the mean and the sample std
+            (``salvage test --repeats N`` sets it; the GRAFT paper averages 5 runs).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class RLVRDataModule(RolloutDataModule):
         max_prompt_tokens: int = 1024,
         reward: Reward | None = None,
         seed: int = 0,
+        test_repeats: int = 1,
     ) -> None:
         super().__init__(
             prompts_per_step,
@@ -79,6 +84,9 @@ class RLVRDataModule(RolloutDataModule):
         )
         if val_samples < 1:
             raise ValueError(f"data.val_samples must be >= 1, got {val_samples}")
+        if test_repeats < 1:
+            raise ValueError(f"data.test_repeats must be >= 1, got {test_repeats}")
+        self.test_repeats = test_repeats
         if max_prompt_tokens < 8:
             raise ValueError(f"data.max_prompt_tokens must be >= 8, got {max_prompt_tokens}")
         self.train_data = train or MathData()
@@ -149,7 +157,7 @@ class RLVRDataModule(RolloutDataModule):
         return self.rollout(
             tasks,
             n=self.val_samples,
-            seed=step_seed(self.seed, self.trainer.global_step, 1),
+            seed=self.eval_seed(),
             temperature=self.val_temperature,
             top_p=self.val_top_p,
             advantages=False,

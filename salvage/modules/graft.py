@@ -30,6 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from salvage.core.evaluation import repeat_metrics
 from salvage.core.graft import (
     BALANCE,
     ORDERS,
@@ -37,12 +38,13 @@ from salvage.core.graft import (
     capability_advantages,
     compat_weight,
     compatibility,
+    hacpo_clip_range,
     mean_logprob,
-    order_groups,
+    plan_minibatches,
     pooled_advantages,
+    random_admission,
     select_transfers,
     sgt_pick,
-    split_minibatches,
 )
 from salvage.datamodules.common import step_seed
 from salvage.distributed import FSDPConfig, gathered, run_file
@@ -65,23 +67,41 @@ class GRAFTModule(L.LightningModule):
         balance / rho: direction balancing (``min_ratio``, ours, or ``none``).
         delta / gate / floor: compatibility weighting (``gate=False``: w = 1;
             ``floor=False``: w = min(s, 1)).
-        order: ``peer-last`` (default), ``peer-first`` or ``uniform`` minibatch order.
+        order: ``peer-last`` (default), ``peer-first`` or ``uniform`` (the peer-last
+            minibatches in an order shuffled every step) minibatch order.
         selection: ``complementary`` (GRAFT) or ``random`` (count-matched random prompts:
             as many prompts per direction as GRAFT would pick, drawn from all prompts).
         peer_filter: ``all`` (the peer's full group) or ``success`` (success-only peer responses).
         peer_advantage: ``source`` (the source's advantages, GRAFT) or ``pooled`` (the
             receiver's group and the peer's, advantages over the pool, eps 1e-6).
-        admission: ``compat`` (compatibility weight) or ``random`` (each peer response
-            admitted with probability ``p_admit``, weight 1; ours).
+        admission: ``compat`` (compatibility weight) or ``random`` (random admission: as
+            many responses as have ``s > delta``, drawn uniformly from the direction's
+            transferred groups, each weighing ``min(s, 1)``, the rest 0).
         peer_loss: ``clip`` (the receiver's clipped token ratio, GRAFT) or ``luffy``
             (LUFFY-style: ``-f(p) A`` with ``f(p) = p / (p + 0.1)``, behaviour prob 1, no clip).
+        peer_ratio: ``token`` (the receiver's token ratio, GRAFT) or ``sequence`` (Table 2a:
+            one ratio per peer response, ``exp(mean logp_theta - mean logp_old)``, clipped
+            to ``[1 - clip_eps_low, 1 + clip_eps_high]``).
         mode: ``graft`` (replace the group), ``sgt`` (SGT baseline: no replacement; an
             NLL term of weight ``sgt_weight`` on one uniformly chosen correct peer response
             for every prompt with k_receiver = 0 and k_source >= 1) or ``hacpo`` (HACPO
             baseline: on every prompt both models pool the peer's group with their own,
-            capability-weighted group baseline, peer loss with the sequence-level ratio
-            ``exp(mean logp_target - mean logp_source)`` clipped to
-            ``[1 - 0.2 + 0.025 step, 1]``, peer coefficient 1; set ``kl_coef: 1e-3``).
+            capability-weighted group baseline, sequence-level ratios: own responses
+            ``exp(mean logp_theta - mean logp_old)`` clipped to ``[1 - hacpo_clip_low,
+            1 + hacpo_clip_high]``, peer responses ``exp(mean logp_theta - mean
+            logp_source)`` with the lower bound ``hacpo_peer_low + hacpo_peer_ramp * step``,
+            peer coefficient 1; ``configs/graft/ablations/hacpo.yaml`` sets KL 1e-3 and
+            64-prompt minibatches).
+        restrict_to_selection: HACPO / SGT restricted to GRAFT's selection (Appendix G):
+            HACPO's peer responses keep their advantage only on the prompts GRAFT's
+            complementary, balanced selection picks (0 elsewhere); SGT's NLL term only on
+            those prompts. Off: the baselines' own prompt rules.
+        hacpo_clip_low / hacpo_clip_high: HACPO's sequence-level clip deltas of the
+            receiver's own responses (3e-4 / 4e-4, the GRAFT paper's Appendix B).
+        hacpo_peer_low / hacpo_peer_ramp: HACPO's peer-ratio lower bound at step 0 and its
+            rise per step (0.8, 0.025; not capped).
+        hacpo_peer_high: an upper bound on HACPO's peer ratio (None: none, as the GRAFT
+            paper ran HACPO; e.g. 1.0 to cap it, which also caps the rising lower bound).
         seed: seed of the balancing and ordering streams.
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
     """
@@ -111,10 +131,16 @@ class GRAFTModule(L.LightningModule):
         peer_filter: str = "all",
         peer_advantage: str = "source",
         admission: str = "compat",
-        p_admit: float = 0.5,
         peer_loss: str = "clip",
+        peer_ratio: str = "token",
         mode: str = "graft",
         sgt_weight: float = 0.1,
+        restrict_to_selection: bool = False,
+        hacpo_clip_low: float = 3e-4,
+        hacpo_clip_high: float = 4e-4,
+        hacpo_peer_low: float = 0.8,
+        hacpo_peer_ramp: float = 0.025,
+        hacpo_peer_high: float | None = None,
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
     ) -> None:
@@ -133,12 +159,20 @@ class GRAFTModule(L.LightningModule):
             ("peer_advantage", peer_advantage, ("source", "pooled")),
             ("admission", admission, ("compat", "random")),
             ("peer_loss", peer_loss, ("clip", "luffy")),
+            ("peer_ratio", peer_ratio, ("token", "sequence")),
             ("mode", mode, ("graft", "sgt", "hacpo")),
         ):
             if val not in allowed:
                 raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
-        if not 0 <= p_admit <= 1:
-            raise ValueError(f"model.p_admit={p_admit!r} must be in [0, 1]")
+        for key, val in (("hacpo_clip_low", hacpo_clip_low), ("hacpo_clip_high", hacpo_clip_high)):
+            if not 0 <= val < 1:
+                raise ValueError(f"model.{key}={val!r} must be in [0, 1)")
+        if hacpo_peer_high is not None and hacpo_peer_high <= 0:
+            raise ValueError(f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)")
+        if restrict_to_selection and mode == "graft":
+            raise ValueError(
+                "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
+            )
         self.automatic_optimization = False
         common = dict(
             weight_decay=weight_decay,
@@ -204,22 +238,28 @@ class GRAFTModule(L.LightningModule):
         receiver: GRPOModule,
         rng: random.Random | None = None,
         bar: Any = None,
+        live: list[int] | None = None,
     ) -> list[float]:
-        """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted."""
+        """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted.
+
+        ``live`` (HACPO restricted to GRAFT's selection): the prompts whose peer responses
+        keep their advantage; None: all of ``prompts``.
+        """
         return transplant(
             src,
             dst,
             prompts,
             receiver,
-            dict(self.hparams),
+            dict(self.hparams) | {"step": self.global_step, "live": live},
             rng or random.Random(self.hparams.seed),
             bar,
         )
 
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
         is_peer = [bool(g.info.get("peer")) for g in batch.groups]
-        order = order_groups(is_peer, self.hparams.order, rng)
-        batch.extras["minibatch_groups"] = split_minibatches(order, self.hparams.num_minibatches)
+        batch.extras["minibatch_groups"] = plan_minibatches(
+            is_peer, self.hparams.order, self.hparams.num_minibatches, rng
+        )
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         hp = self.hparams
@@ -228,12 +268,17 @@ class GRAFTModule(L.LightningModule):
         rng = random.Random(step_seed(hp.seed, self.global_step, 21))
         if hp.exchange and hp.mode == "sgt":
             return self._sgt_step(ra, rb, rng)
+        k_a = [sum(g.successes) for g in ra.groups]
+        k_b = [sum(g.successes) for g in rb.groups]
+        live_ab = live_ba = None
         if hp.exchange and hp.mode == "hacpo":  # every prompt, both directions
             every = list(range(len(ra.groups)))
             tr = Transfers(every, list(every), len(every), len(every))
+            if hp.restrict_to_selection:  # Appendix G: peer loss only on GRAFT's selection
+                sel = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
+                live_ab, live_ba = sel.a_to_b, sel.b_to_a
+                tr.m_ab, tr.m_ba = sel.m_ab, sel.m_ba
         elif hp.exchange:
-            k_a = [sum(g.successes) for g in ra.groups]
-            k_b = [sum(g.successes) for g in rb.groups]
             tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
             if hp.selection == "random":  # count-matched random prompts
                 q = list(range(len(k_a)))
@@ -256,8 +301,8 @@ class GRAFTModule(L.LightningModule):
                 "GRAFT exchange", total=len(tr.a_to_b) + len(tr.b_to_a), unit="group"
             ) as bar,
         ):
-            w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar)
-            w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar)
+            w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar, live_ab)
+            w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar, live_ba)
         self._order(ra, rng)
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
@@ -275,6 +320,9 @@ class GRAFTModule(L.LightningModule):
                 "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
             }
         )
+        if live_ab is not None:
+            values["graft/selected_a_to_b"] = float(len(live_ab))
+            values["graft/selected_b_to_a"] = float(len(live_ba))
         peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
         if peer:
             values["graft/peer_clip_frac"] = sum(peer) / len(peer)
@@ -300,11 +348,30 @@ class GRAFTModule(L.LightningModule):
         return va, vb
 
     def _sgt_step(self, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
-        """SGT baseline: own groups untouched; NLL on one correct peer response per unsolved prompt."""
+        """SGT baseline: own groups untouched; NLL on one correct peer response per unsolved prompt.
+
+        ``restrict_to_selection``: only on the prompts of GRAFT's complementary, balanced
+        selection (Appendix G).
+        """
+        hp = self.hparams
+        allowed: dict[str, set[int] | None] = {"a_to_b": None, "b_to_a": None}
+        if hp.restrict_to_selection:
+            n = max((len(g.trajectories) for g in ra.groups), default=0)
+            sel = select_transfers(
+                [sum(g.successes) for g in ra.groups],
+                [sum(g.successes) for g in rb.groups],
+                n,
+                rng,
+                hp.balance,
+                hp.rho,
+            )
+            allowed = {"a_to_b": set(sel.a_to_b), "b_to_a": set(sel.b_to_a)}
         counts = {}
         for src, dst, recv, name in ((ra, rb, self.b, "a_to_b"), (rb, ra, self.a, "b_to_a")):
             targets = []
-            for sg, dg in zip(src.groups, dst.groups, strict=True):
+            for q, (sg, dg) in enumerate(zip(src.groups, dst.groups, strict=True)):
+                if allowed[name] is not None and q not in allowed[name]:
+                    continue
                 pick = sgt_pick(sg.successes, sum(dg.successes), rng)
                 if pick is None:
                     continue
@@ -345,7 +412,8 @@ class GRAFTModule(L.LightningModule):
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
-        self._eval_acc: dict[str, dict[str, list[float]]] = {"a": {}, "b": {}}
+        # per model: (repeat, benchmark) -> [successes, samples]
+        self._eval_acc: dict[str, dict[tuple[int, str], list[float]]] = {"a": {}, "b": {}}
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -360,7 +428,8 @@ class GRAFTModule(L.LightningModule):
             part = batch.extras[name]
             acc = self._eval_acc[name]
             for g in part.groups:
-                a = acc.setdefault(str(g.task.get("family", "all")), [0.0, 0.0])
+                key = (int(g.task.get("repeat", 0)), str(g.task.get("family", "all")))
+                a = acc.setdefault(key, [0.0, 0.0])
                 a[0] += sum(t.success for t in g.trajectories)
                 a[1] += len(g.trajectories)
 
@@ -368,10 +437,13 @@ class GRAFTModule(L.LightningModule):
         for name, acc in self._eval_acc.items():
             if not acc:
                 continue
-            per = {fam: v[0] / max(v[1], 1) for fam, v in acc.items()}
-            for fam, v in per.items():
-                self.log(f"{name}/{prefix}/success/{fam}", v, on_epoch=True)
-            self.log(f"{name}/{prefix}/aggregate", sum(per.values()) / len(per), on_epoch=True)
+            values = repeat_metrics(f"{name}/{prefix}", {k: (v[0], v[1]) for k, v in acc.items()})
+            if len({r for r, _ in acc}) == 1:  # one run: pass@1 per benchmark and the aggregate
+                values = {
+                    k: v for k, v in values.items() if "/repeat_" not in k and "_std" not in k
+                }
+            for k, v in values.items():
+                self.log(k, v, on_epoch=True)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")
@@ -391,15 +463,29 @@ def transplant(
 ) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
-    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, p_admit, peer_loss (GRAFTModule's
-    arguments). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``).
+    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, peer_loss (GRAFTModule's
+    arguments; optional: mode, peer_ratio, the hacpo_* bounds, clip_eps_low/high, ``step``
+    and ``live``, see ``GRAFTModule.receive``). Shared by GRAFTModule and the stored-mode
+    receiver (``StoredPeer``). Returns the peer responses' weights.
     """
     hp = SimpleNamespace(**opts)
     hacpo = opts.get("mode") == "hacpo"
+    live = opts.get("live")
+    seq_peer = opts.get("peer_ratio", "token") == "sequence" and not hacpo
+    if hacpo:  # HACPO's sequence-level ranges: own responses, and peers at this step
+        own_clip = (1.0 - opts.get("hacpo_clip_low", 3e-4), 1.0 + opts.get("hacpo_clip_high", 4e-4))
+        low, high = hacpo_clip_range(
+            int(opts.get("step", 0)),
+            opts.get("hacpo_peer_low", 0.8),
+            opts.get("hacpo_peer_ramp", 0.025),
+            opts.get("hacpo_peer_high"),
+        )
+        peer_clip = (low, None if high == float("inf") else high)
+    scores: list[float] = []
+    peer_trajs: list[Trajectory] = []
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
     dst.extras.setdefault("own_groups", list(dst.groups))
     tok = receiver.tokenizer
-    weights: list[float] = []
     # HACPO: each model's capability = its success rate on this batch (before any exchange)
     cap_src = sum(t.success for t in src.trajectories) / max(1, len(src.trajectories))
     cap_recv = sum(t.success for t in dst.trajectories) / max(1, len(dst.trajectories))
@@ -428,14 +514,24 @@ def transplant(
         )
         trajs = []
         for t, ids, lp in zip(peers, resp, old, strict=True):
-            s = compatibility(mean_logprob(lp), mean_logprob(t.turns[0].logprobs))
+            src_mean = mean_logprob(t.turns[0].logprobs)
+            s = compatibility(mean_logprob(lp), src_mean)
             if hacpo:
                 w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
             elif hp.admission == "random":
-                w = 1.0 if rng.random() < hp.p_admit else 0.0
+                w = 0.0  # drawn below, over the whole direction (core.graft.random_admission)
             else:
                 w = compat_weight(s, hp.delta, hp.gate, hp.floor)
-            weights.append(w)
+            info: dict[str, Any] = {"compat": s, "loss": "hacpo" if hacpo else hp.peer_loss}
+            if hacpo:
+                info["seq_ratio"] = (src_mean, *peer_clip)
+            elif seq_peer and hp.peer_loss == "clip":  # Table 2a: one ratio per response
+                info["seq_ratio"] = (
+                    mean_logprob(lp),
+                    1.0 - opts.get("clip_eps_low", 0.2),
+                    1.0 + opts.get("clip_eps_high", 0.28),
+                )
+            scores.append(s)
             trajs.append(
                 Trajectory(
                     turns=[
@@ -451,13 +547,10 @@ def transplant(
                     advantage=t.advantage,
                     weight=w,
                     source="peer",
-                    info={
-                        "compat": s,
-                        "loss": "hacpo" if hacpo else hp.peer_loss,
-                        "src_mean": mean_logprob(t.turns[0].logprobs),
-                    },
+                    info=info,
                 )
             )
+        peer_trajs.extend(trajs)
         if hacpo:  # receiver || peer, capability-weighted baseline
             own = list(dg.trajectories)
             a_own, a_peer = capability_advantages(
@@ -468,8 +561,10 @@ def transplant(
             )
             for t, a in zip(own, a_own.tolist(), strict=True):
                 t.advantage = a
+                t.info = {**t.info, "seq_ratio": (mean_logprob(t.turns[0].logprobs), *own_clip)}
             for t, a in zip(trajs, a_peer.tolist(), strict=True):
-                t.advantage = a
+                # restricted to GRAFT's selection: peer responses elsewhere carry no advantage
+                t.advantage = a if live is None or q in live else 0.0
             trajs = own + trajs
         elif hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
             own = list(dg.trajectories)
@@ -488,4 +583,7 @@ def transplant(
         )
         if bar is not None:
             bar.advance(1)
-    return weights
+    if hp.admission == "random" and not hacpo:  # as many as pass the gate, drawn at random
+        for t, w in zip(peer_trajs, random_admission(scores, hp.delta, rng), strict=True):
+            t.weight = w
+    return [t.weight for t in peer_trajs]

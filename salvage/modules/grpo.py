@@ -22,7 +22,8 @@ from typing import Any
 import lightning as L
 import torch
 
-from salvage.core.graft import hacpo_clip_range, hacpo_token_loss, luffy_token_loss
+from salvage.core.evaluation import repeat_metrics
+from salvage.core.graft import luffy_token_loss, sequence_clipped_loss
 from salvage.core.grpo import (
     AGGREGATIONS,
     aggregation_denominator,
@@ -85,7 +86,8 @@ class _Row:
     seq: int
     peer: bool = False
     luffy: bool = False
-    hacpo_src: float | None = None  # HACPO peer row: the source's mean generation log-prob
+    # sequence-level ratio (HACPO rows, Table 2a's variant): (reference mean log-prob, low, high)
+    seq_ratio: tuple[float, float, float] | None = None
 
 
 class NonFiniteLossError(RuntimeError):
@@ -300,9 +302,7 @@ class GRPOModule(L.LightningModule):
                         seq=seq,
                         peer=traj.source != "self",
                         luffy=traj.info.get("loss") == "luffy",
-                        hacpo_src=traj.info.get("src_mean")
-                        if traj.info.get("loss") == "hacpo"
-                        else None,
+                        seq_ratio=_seq_ratio(traj.info.get("seq_ratio")),
                     )
                 )
             per_traj.append(idx)
@@ -546,18 +546,20 @@ class GRPOModule(L.LightningModule):
                 lm = torch.tensor([r.luffy for r in part], device=lp.device)[:, None]
                 loss_tok = torch.where(lm, luffy_token_loss(lp, tb.advantages), loss_tok)
                 clipped = torch.where(lm, torch.zeros_like(clipped), clipped)
-            if any(
-                r.hacpo_src is not None for r in part
-            ):  # HACPO peer rows: sequence-level clipped ratio
-                hm = torch.tensor([r.hacpo_src is not None for r in part], device=lp.device)[
-                    :, None
-                ]
-                src = torch.tensor([r.hacpo_src or 0.0 for r in part], device=lp.device)
-                h_loss, h_clip = hacpo_token_loss(
-                    lp, tb.response_mask, src, tb.advantages, hacpo_clip_range(self._step)[0]
+            if any(r.seq_ratio is not None for r in part):
+                # sequence-level ratio rows (HACPO, Table 2a): core.graft.sequence_clipped_loss
+                sr = [r.seq_ratio or (0.0, 0.0, math.inf) for r in part]
+                sm = torch.tensor([r.seq_ratio is not None for r in part], device=lp.device)
+                s_loss, s_clip = sequence_clipped_loss(
+                    lp,
+                    tb.response_mask,
+                    torch.tensor([x[0] for x in sr], device=lp.device),
+                    tb.advantages,
+                    torch.tensor([x[1] for x in sr], device=lp.device),
+                    torch.tensor([x[2] for x in sr], device=lp.device),
                 )
-                loss_tok = torch.where(hm, h_loss, loss_tok)
-                clipped = torch.where(hm, h_clip, clipped)
+                loss_tok = torch.where(sm[:, None], s_loss, loss_tok)
+                clipped = torch.where(sm[:, None], s_clip, clipped)
             aw = torch.zeros_like(lp)
             for i, r in enumerate(part):
                 aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
@@ -701,7 +703,7 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
-        self._eval_acc: dict[str, list[float]] = {}
+        self._eval_acc: dict[tuple[int, str], list[float]] = {}  # (repeat, benchmark)
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -722,14 +724,14 @@ class GRPOModule(L.LightningModule):
         )
         if self.trainer.world_size > 1:
             t = self.all_gather(t).sum(0)
-        per = (t[:, 0] / t[:, 1].clamp(min=1)).tolist()
-        self.log(
-            f"{prefix}/aggregate",
-            sum(per) / len(per),
-            on_step=False,
-            on_epoch=True,
-            rank_zero_only=True,
-        )
+        counts = {n: (float(x[0]), float(x[1])) for n, x in zip(names, t.tolist(), strict=True)}
+        values = repeat_metrics(prefix, counts)  # one repeat: the aggregate (std 0)
+        if len({r for r, _ in names}) == 1:
+            values = {f"{prefix}/aggregate": values[f"{prefix}/aggregate"]}
+        else:  # the per-benchmark means are logged per batch already (same numbers)
+            values = {k: v for k, v in values.items() if not _is_bench_mean(k, prefix)}
+        for k, v in values.items():
+            self.log(k, v, on_step=False, on_epoch=True, rank_zero_only=True)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -761,10 +763,13 @@ class GRPOModule(L.LightningModule):
             sync_dist=True,
         )
         by_family: dict[str, list[float]] = {}
+        by_repeat: dict[tuple[int, str], list[float]] = {}  # salvage test --repeats
         for g in batch.groups:
             fam = g.task.get("family")
             if fam:
-                by_family.setdefault(str(fam), []).extend(float(t.success) for t in g.trajectories)
+                ok = [float(t.success) for t in g.trajectories]
+                by_family.setdefault(str(fam), []).extend(ok)
+                by_repeat.setdefault((int(g.task.get("repeat", 0)), str(fam)), []).extend(ok)
         acc = getattr(self, "_eval_acc", None)
         if acc is None:
             acc = self._eval_acc = {}
@@ -776,7 +781,8 @@ class GRPOModule(L.LightningModule):
                 on_epoch=True,
                 batch_size=len(vals),
             )
-            a = acc.setdefault(fam, [0.0, 0.0])
+        for key, vals in by_repeat.items():
+            a = acc.setdefault(key, [0.0, 0.0])
             a[0] += sum(vals)
             a[1] += len(vals)
 
@@ -791,6 +797,18 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, **kwargs)
+
+
+def _is_bench_mean(key: str, prefix: str) -> bool:
+    return key.startswith(f"{prefix}/success/") and not key.endswith("_std")
+
+
+def _seq_ratio(value: Any) -> tuple[float, float, float] | None:
+    """A trajectory's ``info["seq_ratio"]`` = (reference mean log-prob, low, high or None)."""
+    if value is None:
+        return None
+    ref, low, high = value
+    return float(ref), float(low), math.inf if high is None else float(high)
 
 
 def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:

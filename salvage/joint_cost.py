@@ -1,0 +1,76 @@
+"""``salvage joint-cost RUN_DIR [RUN_DIR ...]``: the paper's cost of independent baselines.
+
+GRAFT's GRPO baselines are separate single-model runs (``configs/grpo/graft_*.yaml``);
+obtaining both models costs the sum of each run's GPU-hours through its own best
+``val/aggregate`` checkpoint (SPEC §3.3, §3.4). This reads each run's newest
+``metrics.csv`` (``cost/gpu_hours`` and the validation score) and prints one row per run
+and the sum. A GRAFT run is one joint run (its cost is the later of its two checkpoints,
+printed by ``salvage test``) and is refused here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from salvage.core.cost import SelectedCheckpoint, best_checkpoint_cost, separate_runs_cost
+from salvage.report import _newest, load_metrics
+
+
+def run_checkpoint_cost(run_dir: str | Path, key: str = "val/aggregate") -> SelectedCheckpoint:
+    """The best ``key`` checkpoint of one run and the GPU-hours through it."""
+    run = Path(run_dir)
+    path = _newest(run, "metrics.csv")
+    if path is None:
+        raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
+    series = load_metrics(path)
+    if key not in series:
+        joint = sorted(k for k in series if k.endswith(f"/{key}"))
+        if joint:
+            raise ValueError(
+                f"{run}: logs {joint}, a joint two-model run: its cost is the later of its "
+                "checkpoints (salvage test prints it), not a sum of separate runs"
+            )
+        raise ValueError(f"{run}: {path} has no {key!r} (did the run validate?)")
+    if "cost/gpu_hours" not in series:
+        raise ValueError(f"{run}: {path} has no 'cost/gpu_hours' (CostTracker off?)")
+    return best_checkpoint_cost(series[key], series["cost/gpu_hours"])
+
+
+def joint_cost(run_dirs: list[str | Path], key: str = "val/aggregate") -> dict[str, object]:
+    """Per run (its checkpoint) and ``joint_gpu_hours``, the sum over the runs."""
+    runs = {str(r): run_checkpoint_cost(r, key) for r in run_dirs}
+    return {
+        "runs": {r: c.__dict__ for r, c in runs.items()},
+        "joint_gpu_hours": separate_runs_cost(runs),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="salvage joint-cost",
+        description="GPU-hours of separate single-model runs, each through its own best "
+        "checkpoint, and their sum (the paper's cost of independent GRPO baselines).",
+    )
+    p.add_argument("run_dirs", nargs="+", help="run directories (trainer.default_root_dir)")
+    p.add_argument("--key", default="val/aggregate", help="validation score that selects")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    try:
+        out = joint_cost(args.run_dirs, args.key)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"salvage joint-cost: {e}") from None
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="checkpoint cost of separate runs (SPEC 3.3: the sum)")
+    for col in ("run", f"best {args.key}", "step", "GPU-hours"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for run, c in out["runs"].items():
+        table.add_row(run, f"{c['score']:.4f}", str(c["step"]), f"{c['gpu_hours']:.6g}")
+    table.add_row("joint (sum of the runs)", "", "", f"{out['joint_gpu_hours']:.6g}")
+    Console(width=200).print(table)
