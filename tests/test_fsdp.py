@@ -200,7 +200,7 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
         "--trainer.default_root_dir",
         str(tmp_path),
     ]
-    for steps, extra in ((1, []), (2, ["--ckpt_path", "last"])):
+    for version, (steps, extra) in enumerate(((1, []), (2, ["--ckpt_path", "last"]))):
         proc = subprocess.run(
             base + ["--trainer.max_steps", str(steps), *extra],
             cwd=ROOT,
@@ -210,7 +210,7 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
             timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
-        ckpt = tmp_path / "checkpoints" / "last.ckpt"
+        ckpt = tmp_path / f"version_{version}" / "checkpoints" / "last.ckpt"
         assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
     assert "Restored all states" in proc.stderr + proc.stdout
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
