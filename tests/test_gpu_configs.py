@@ -87,7 +87,9 @@ def contrast_batch(tok: Any, ref: torch.nn.Module, groups: int = 8):
     out = []
     for g in range(groups):
         q = f"What is {g} + {g + 3}?"
-        right = Trajectory([_turn(tok, ref, q, f"The answer is \\boxed{{{2 * g + 3}}}.")], 1.0, True, 1.0)
+        right = Trajectory(
+            [_turn(tok, ref, q, f"The answer is \\boxed{{{2 * g + 3}}}.")], 1.0, True, 1.0
+        )
         wrong = Trajectory([_turn(tok, ref, q, "The answer is \\boxed{0}.")], 0.0, False, -1.0)
         out.append(Group(f"q{g}", [right, wrong]))
     return RolloutBatch(groups=out)
