@@ -165,7 +165,13 @@ class _Accounting:
 
 
 class RescueCallback(L.Callback):
-    """Shared shell of the rescue stages: selection, accounting, logging, records."""
+    """Shared shell of the rescue stages: selection, accounting, logging, records.
+
+    Args:
+        relay: search settings (``max_groups`` and ``group_select`` pick the groups).
+        seed: seed of the stage's random streams.
+        records: write ``relays.jsonl`` in the run directory.
+    """
 
     def __init__(
         self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True
@@ -609,7 +615,14 @@ class NoHandoff(VerifiedHandoff):
 
 class ExtraStudentRollouts(RescueCallback):
     """Budget-matched ablation: ``extra_rollouts`` more student rollouts per selected group,
-    trained with plain GRPO (advantages recomputed over the enlarged group)."""
+    trained with plain GRPO (advantages recomputed over the enlarged group).
+
+    Args:
+        relay: group selection (``max_groups``, ``group_select``); the search knobs are unused.
+        extra_rollouts: student rollouts added to each selected zero-signal group (SPEC: 4).
+        seed: seed of the extra rollouts.
+        records: write ``relays.jsonl`` in the run directory.
+    """
 
     def __init__(
         self,
