@@ -6,6 +6,8 @@
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
 - ``salvage test ... --repeats N``: N evaluation runs, mean ± std (``salvage.callbacks.repeats``).
+- ``rescue``: VH-GPO's rescue stage (``salvage.callbacks.relay``) as its own key, so an
+  ablation fragment changes only it (``trainer.callbacks`` lists replace each other).
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
@@ -76,6 +78,12 @@ class SalvageCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        from salvage.callbacks.relay import RescueCallback
+
+        parser.add_lightning_class_args(
+            RescueCallback, "rescue", subclass_mode=True, required=False
+        )
+
         parser.add_argument(
             "--allow_config_change",
             type=bool,
@@ -148,6 +156,7 @@ class SalvageCLI(LightningCLI):
             print(f"salvage: warning: resuming {path} with changed keys: {shown}", file=sys.stderr)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
+        callbacks = [c for c in callbacks if c is not None]  # `rescue: null`: no rescue stage
         # crash safety: unless the config brings its own ModelCheckpoint, keep `last.ckpt`
         # up to date after every update, so `salvage fit --ckpt_path last` loses one step
         cbs = list(config.get("callbacks") or []) + list(callbacks)

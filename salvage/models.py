@@ -10,6 +10,12 @@ Built-ins:
 
 Anything else is passed to ``from_pretrained`` (a local path, or a hub id on a machine
 with network). ``trust_remote_code`` is off unless the config turns it on.
+
+Prompts go through the tokenizer's chat template (GRAFT: each problem is one user message
+through the model's own template). A tokenizer without one (some base models) is an error
+unless ``template_fallback: plain`` asks for ``PLAIN_TEMPLATE``: every message's content
+followed by a blank line, no role markers, no generation prefix, so a base model continues
+right after the problem text (``"<problem>\n\n"``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] + '\n\n' }}{% endfor %}"
+"""The documented plain format for tokenizers without a chat template (``template_fallback``)."""
+
+TEMPLATE_FALLBACKS = ("error", "plain")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,7 +66,11 @@ class PolicySpec:
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids."""
     chat_template: str | None = None
-    """Jinja chat template to use when the tokenizer has none (or to override it)."""
+    """Jinja chat template to use instead of the tokenizer's (None: the tokenizer's own)."""
+    template_fallback: str = "error"
+    """When the tokenizer has no chat template and ``chat_template`` is unset: ``error``
+    (default) or ``plain`` (``PLAIN_TEMPLATE``: contents followed by a blank line, for base
+    models; logged)."""
     seed: int = 0
     """``tiny`` only: seed of the random initialisation."""
     vocab_size: int = 512
@@ -73,6 +88,11 @@ class PolicySpec:
             raise ValueError(f"policy.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not self.name_or_path:
             raise ValueError("policy.name_or_path must be set (e.g. 'tiny')")
+        if self.template_fallback not in TEMPLATE_FALLBACKS:
+            raise ValueError(
+                f"policy.template_fallback must be one of {TEMPLATE_FALLBACKS}, "
+                f"got {self.template_fallback!r}"
+            )
         if self.trainable_layers is not None and self.trainable_layers < 1:
             raise ValueError(
                 f"policy.trainable_layers must be >= 1 or null, got {self.trainable_layers}"
@@ -151,10 +171,19 @@ def _finish_tokenizer(tok: Any, spec: PolicySpec) -> Any:
     if spec.chat_template:
         tok.chat_template = spec.chat_template
     if not getattr(tok, "chat_template", None):
-        raise ValueError(
-            f"tokenizer of {spec.name_or_path!r} has no chat template; set "
-            "model.policy.chat_template to a Jinja template (e.g. salvage.models.CHATML_TEMPLATE)"
-        )
+        if spec.template_fallback == "plain":
+            log.warning(
+                "tokenizer of %r has no chat template: prompts use the plain format "
+                "(each message's content followed by a blank line)",
+                spec.name_or_path,
+            )
+            tok.chat_template = PLAIN_TEMPLATE
+        else:
+            raise ValueError(
+                f"tokenizer of {spec.name_or_path!r} has no chat template; set "
+                "model.policy.chat_template to a Jinja template (e.g. "
+                "salvage.models.CHATML_TEMPLATE) or model.policy.template_fallback: plain"
+            )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -279,6 +279,10 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
         f"metrics: {', '.join(f'`{p.relative_to(run)}`' for p in mpaths)}, {len(m)} series",
         "",
     ]
+    teachers = sorted({str(r["teacher"]) for r in relays if r.get("teacher")})
+    if teachers:  # VH-GPO: which teacher recovered (an oracle is named, never implied)
+        names = {"oracle": "oracle (the environment's expert, not the paper's LM teacher)"}
+        lines += ["teacher: " + ", ".join(names.get(t, t) for t in teachers), ""]
     lines += ["| metric | first | last |", "|---|---|---|"]
     for k in sorted(m):
         if k.split("/")[0] in ("rollout", "relay", "cost", "loss", "graft", "val", "eval", "sft"):

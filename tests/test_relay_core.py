@@ -7,6 +7,7 @@ import random
 import pytest
 
 from salvage.core.relay import (
+    RANDOM_EMPTY,
     Outcome,
     RelayConfig,
     ReplayRequest,
@@ -17,6 +18,7 @@ from salvage.core.relay import (
     eligible_depths,
     first_divergence,
     keep_resume,
+    pair_index,
     random_anchor_order,
     relay_search,
     select_backbone,
@@ -212,11 +214,43 @@ def test_discovery_caps_at_budget_and_reaches_root():
     )
 
 
-def test_last_discovery_test_gets_what_is_left_of_the_budget():
+def _discovery_sizes(log):
+    return [
+        (r.j, len(r.seeds)) for r in log if isinstance(r, StudentRequest) and r.kind == "discovery"
+    ]
+
+
+def test_every_tested_state_gets_the_full_count():
+    # SPEC 2.2: a state that cannot get its full discovery_rollouts is not tested.
+    # L = 10, every continuation succeeds. Budget 3, 2 per state: 9 (2) -> 1 left < 2: stop.
+    cfg = RelayConfig(discovery_budget=3, discovery_rollouts=2)
+    res, log, tested = _search_with(10, lambda j: True, cfg)
+    assert _discovery_sizes(log) == [(9, 2)] and res.discovery_rollouts == 2
+    assert res.j_early == res.j_star == 9 and res.retained
+    # budget 5: 9 (2), 8 (2), then 1 left: 6 is not tested (it used to get 1 continuation)
     cfg = RelayConfig(discovery_budget=5, discovery_rollouts=2)
-    res, log, tested = _search_with(40, lambda j: True, cfg)
-    sizes = [len(r.seeds) for r in log if isinstance(r, StudentRequest) and r.kind == "discovery"]
-    assert sizes == [2, 2, 1] and tested == [39, 38, 36]
+    res, log, tested = _search_with(10, lambda j: True, cfg)
+    assert _discovery_sizes(log) == [(9, 2), (8, 2)] and res.j_early == 8
+    # refinement too: 9 S, 8 F (4 spent), refine range(9, 9) empty; budget 7 and L = 20:
+    # 19 S, 18 S, 16 F (6 spent) -> refine 17 would need 2, 1 left: not tested
+    cfg = RelayConfig(discovery_budget=7, discovery_rollouts=2)
+    res, log, tested = _search_with(20, lambda j: j >= 17, cfg)
+    assert _discovery_sizes(log) == [(19, 2), (18, 2), (16, 2)] and res.j_early == 18
+
+
+def test_budget_below_one_full_test_is_a_config_error_unless_partial():
+    with pytest.raises(
+        ValueError, match="relay.discovery_budget=1 is below relay.discovery_rollouts=2"
+    ):
+        RelayConfig(discovery_budget=1, discovery_rollouts=2)
+    # partial_tests (ours, off by default): the old rule, the last test takes what is left;
+    # with budget 1 a relay is retained on one continuation
+    cfg = RelayConfig(discovery_budget=1, discovery_rollouts=2, partial_tests=True)
+    res, log, _ = _search_with(10, lambda j: True, cfg)
+    assert _discovery_sizes(log) == [(9, 1)] and res.retained
+    cfg = RelayConfig(discovery_budget=5, discovery_rollouts=2, partial_tests=True)
+    res, log, _ = _search_with(40, lambda j: True, cfg)
+    assert _discovery_sizes(log) == [(39, 2), (38, 2), (36, 1)]
 
 
 # ---------------------------------------------------------------- confirmation, replay, handoff
@@ -258,9 +292,26 @@ def test_random_verified_handoff_excludes_j_early():
         assert res.j_early == 7 and res.j_star in {8, 9}
         picks.add(res.j_star)
     assert picks == {8, 9}
-    # only j_early available -> discard (ours)
+    # only j_early available -> discard (ours, the default of relay.random_fallback)
     res, _, _ = _search_with(10, lambda j: j == 9, cfg)
-    assert not res.retained and "besides j_early" in res.reason
+    assert not res.retained and "besides j_early" in res.reason and res.random_fallback
+
+
+def test_random_handoff_fallback_switch():
+    # 9 S, 8 F -> S = {9}: S minus j_early is empty
+    res, log, _ = _search_with(10, lambda j: j == 9, RelayConfig(handoff="random"))
+    assert res.reason == RANDOM_EMPTY and res.random_fallback and res.j_star is None
+    assert not any(r.kind == "confirm" for r in log if isinstance(r, StudentRequest))
+    cfg = RelayConfig(handoff="random", random_fallback="j_early")
+    res, log, _ = _search_with(10, lambda j: j == 9, cfg)
+    assert res.retained and res.random_fallback and res.j_early == res.j_star == 9
+    assert [r.j for r in log if isinstance(r, StudentRequest) and r.kind == "confirm"] == [9]
+    # a non-empty S minus j_early never falls back
+    res, _, _ = _search_with(10, lambda j: j >= 5, cfg)
+    assert not res.random_fallback and res.j_star in {8, 9}
+    # the earliest handoff never sets it
+    res, _, _ = _search_with(10, lambda j: j == 9)
+    assert not res.random_fallback and res.retained
 
 
 def test_no_handoff_keeps_the_whole_recovery_and_skips_search():
@@ -271,6 +322,33 @@ def test_no_handoff_keeps_the_whole_recovery_and_skips_search():
 
 
 # ---------------------------------------------------------------- pair and group selection
+
+
+def test_teacher_tie_break_switch():
+    two = [
+        Outcome(True, 3, output_tokens=9),
+        Outcome(True, 3, output_tokens=5),
+        Outcome(True, 4, 1),
+    ]
+    assert shortest_success(two) == 0  # default: the lowest attempt index
+    assert shortest_success(two, "tokens") == 1  # fewer output tokens among the shortest
+    cfg = RelayConfig(teacher_tie_break="tokens")
+    res, _ = drive(
+        relay_search(["x"] * 9, [0], cfg, random.Random(0)),
+        teacher=lambda r: [Outcome(True, 3, 9, seed=0), Outcome(True, 3, 5, seed=1)],
+        student=lambda r: outs(*([True] * len(r.seeds))),
+    )
+    assert res.recovery.seed == 1
+
+
+def test_pair_walk_switch():
+    # backbone from the anchor: a b x y; teacher recovery: a b c d; j* = 2
+    backbone = ["s0", "a", "b", "x", "y"]
+    recovery = ["a", "b", "c", "d"]
+    assert pair_index(recovery, backbone, 1, 2) is None  # SPEC: no divergence in the bridge
+    assert pair_index(recovery, backbone, 1, 2, "recovery") == 2
+    assert pair_index(["a", "c"], backbone, 1, 2) == 1
+    assert pair_index(recovery, ["s0", "a"], 1, 4, "recovery") is None  # the backbone ended
 
 
 def test_first_divergence():
@@ -293,5 +371,11 @@ def test_bad_relay_config_names_the_key():
         RelayConfig(confirm_rollouts=0)
     with pytest.raises(ValueError, match="relay.handoff='late'"):
         RelayConfig(handoff="late")
+    with pytest.raises(ValueError, match="relay.random_fallback='keep'"):
+        RelayConfig(random_fallback="keep")
+    with pytest.raises(ValueError, match="relay.teacher_tie_break='last'"):
+        RelayConfig(teacher_tie_break="last")
+    with pytest.raises(ValueError, match="relay.pair_walk='all'"):
+        RelayConfig(pair_walk="all")
     with pytest.raises(ValueError, match="b_min=60 exceeds"):
         RelayConfig(b_min=60).check_horizon(50)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from test_vhgpo import CFG, VerifiedHandoff, _run
+from test_vhgpo import CFG, ORACLE, VerifiedHandoff, _run
 
 from salvage.core.relay import RelayConfig
 
@@ -23,7 +23,7 @@ def _non_blank(png):
 
 
 def test_report_on_a_vhgpo_run(tmp_path):
-    trainer, _, _ = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG)))
+    trainer, _, _ = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE))
     proc = subprocess.run(
         [sys.executable, "-m", "salvage.cli", "report", str(tmp_path)],
         capture_output=True,

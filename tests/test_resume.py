@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_fit import DigitFraction
-from test_vhgpo import CFG, ScriptedAgentData
+from test_vhgpo import CFG, ORACLE, ScriptedAgentData
 
 from salvage.callbacks.cost import CostTracker
 from salvage.callbacks.relay import VerifiedHandoff
@@ -116,7 +116,7 @@ def test_vhgpo_resume_is_exact_with_warm_start_and_relay_counters(tmp_path):
             data,
             [
                 OracleSFT(episodes=4, steps=3, batch_size=4, lr=1e-2),
-                VerifiedHandoff(relay=RelayConfig(**CFG), records=False),
+                VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE, records=False),
             ],
         )
 

@@ -23,6 +23,7 @@ from salvage.callbacks.relay import (
     NoHandoff,
     RandomAnchorOrder,
     RandomVerifiedHandoff,
+    TeacherSpec,
     VerifiedHandoff,
 )
 from salvage.core.agent import AgentFormat, format_action
@@ -185,10 +186,11 @@ def _run(tmp_path, rescue, **module_kw):
 
 
 CFG = dict(b_min=2, stride=2, max_backtracks=4, max_groups=2)
+ORACLE = TeacherSpec(kind="oracle")  # the scripted env's expert, opted into explicitly
 
 
 def test_verified_handoff_end_to_end(tmp_path):
-    trainer, cap, recs = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG)))
+    trainer, cap, recs = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE))
     assert all(g.zero_signal for g in cap.batch.groups)  # every student rollout failed
     assert len(recs) == 2 and all(r["retained"] for r in recs)
     r = recs[0]
@@ -218,14 +220,14 @@ def test_verified_handoff_end_to_end(tmp_path):
 
 
 def test_random_verified_handoff_picks_a_later_success(tmp_path):
-    _, cap, recs = _run(tmp_path, RandomVerifiedHandoff(relay=RelayConfig(**CFG)))
+    _, cap, recs = _run(tmp_path, RandomVerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE))
     for r in recs:
         # S = {3, 4}; S \ {j_early} = {4}; the resume from 4 is one action
         assert (r["j_early"], r["j_star"], r["R"]) == (3, 4, 1) and r["retained"]
 
 
 def test_random_anchor_order_permutes_non_root_anchors(tmp_path):
-    _, _, recs = _run(tmp_path, RandomAnchorOrder(relay=RelayConfig(**CFG), seed=3))
+    _, _, recs = _run(tmp_path, RandomAnchorOrder(relay=RelayConfig(**CFG), teacher=ORACLE, seed=3))
     orders = [r["anchors"] for r in recs]
     assert all(o[-1] == 0 and sorted(o[:-1]) == [2, 4, 6] for o in orders)
     assert any(o != [6, 4, 2, 0] for o in orders)
@@ -233,7 +235,7 @@ def test_random_anchor_order_permutes_non_root_anchors(tmp_path):
 
 
 def test_no_handoff_keeps_the_whole_recovery(tmp_path):
-    _, cap, recs = _run(tmp_path, NoHandoff(relay=RelayConfig(**CFG)))
+    _, cap, recs = _run(tmp_path, NoHandoff(relay=RelayConfig(**CFG), teacher=ORACLE))
     for r, relay in zip(recs, cap.relays, strict=True):
         assert r["j_star"] == r["L"] == 5 and r["R"] == 0 and r["discovery"] == {}
         assert len(relay.bridge) == 5 and relay.resume == []
@@ -249,7 +251,9 @@ def test_extra_student_rollouts_grow_the_group_without_relays(tmp_path):
 
 
 def test_objective_ablation_lambda_zero_omits_the_term(tmp_path):
-    trainer, _, _ = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG)), lambda_pair=0.0)
+    trainer, _, _ = _run(
+        tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE), lambda_pair=0.0
+    )
     rows = (Path(trainer.log_dir) / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     assert "loss/bridge" in header and "loss/pair" not in header
@@ -257,7 +261,7 @@ def test_objective_ablation_lambda_zero_omits_the_term(tmp_path):
 
 def test_b_min_above_horizon_fails_before_compute(tmp_path):
     with pytest.raises(ValueError, match="b_min=9 exceeds"):
-        _run(tmp_path, VerifiedHandoff(relay=RelayConfig(b_min=9)))
+        _run(tmp_path, VerifiedHandoff(relay=RelayConfig(b_min=9), teacher=ORACLE))
 
 
 def test_cli_twx_tiny_retains_relays(tmp_path):
@@ -325,3 +329,52 @@ def test_cli_twx_tiny_retains_relays(tmp_path):
         "report.md",
     ):
         assert (run / "report" / name).stat().st_size > 1000, name
+
+
+# ---------------------------------------------------------------- issue 21: fallback, budget, teacher
+
+
+def test_random_handoff_fallback_is_counted_and_switchable(tmp_path):
+    # discovery_budget 2 tests one state: 4 S -> S = {4}, S minus j_early is empty
+    cfg = dict(CFG, discovery_budget=2)
+    trainer, cap, recs = _run(
+        tmp_path / "discard", RandomVerifiedHandoff(relay=RelayConfig(**cfg), teacher=ORACLE)
+    )
+    assert all(r["random_fallback"] and not r["retained"] for r in recs) and len(recs) == 2
+    m = trainer.callback_metrics
+    assert float(m["relay/random_fallbacks"]) == 2 and float(m["relay/random_discards"]) == 2
+    assert float(m["relay/retained"]) == 0 and cap.relays == []
+    # the other branch of the switch: hand off at j_early (= 4, one resume action)
+    rc = RelayConfig(**cfg, handoff="random", random_fallback="j_early")
+    trainer, cap, recs = _run(tmp_path / "early", VerifiedHandoff(relay=rc, teacher=ORACLE))
+    assert all(r["retained"] and (r["j_early"], r["j_star"], r["R"]) == (4, 4, 1) for r in recs)
+    m = trainer.callback_metrics
+    assert float(m["relay/random_fallbacks"]) == 2 and float(m["relay/random_discards"]) == 0
+    # the full method logs no such counter
+    trainer, _, _ = _run(tmp_path / "vh", VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE))
+    assert "relay/random_fallbacks" not in trainer.callback_metrics
+
+
+def test_discovery_budget_not_a_multiple_tests_only_full_states(tmp_path):
+    # budget 3, 2 per state: state 4 gets 2 continuations, then 1 is left: nothing else tested
+    # (before: state 3 was tested on the 1 left and became j_early = j* = 3)
+    cfg = RelayConfig(**dict(CFG, discovery_budget=3))
+    _, _, recs = _run(tmp_path, VerifiedHandoff(relay=cfg, teacher=ORACLE))
+    for r in recs:
+        assert r["discovery"] == {"4": True} and r["discovery_rollouts"] == 2
+        assert (r["j_early"], r["j_star"], r["retained"]) == (4, 4, True)
+
+
+def test_teacher_is_an_explicit_choice_and_named(tmp_path, capsys):
+    with pytest.raises(ValueError, match="needs a teacher"):
+        VerifiedHandoff(relay=RelayConfig(**CFG))
+    with pytest.raises(ValueError, match="teacher.kind must be set"):
+        TeacherSpec()
+    vh = VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE)
+    assert "teacher: oracle" in vh.describe()
+    trainer, _, recs = _run(tmp_path, vh)
+    assert all(r["teacher"] == "oracle" for r in recs)
+    from salvage.callbacks.summary import RunSummary
+
+    RunSummary().on_fit_end(trainer, trainer.lightning_module)
+    assert "teacher: oracle" in " ".join(capsys.readouterr().out.split())

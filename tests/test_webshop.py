@@ -470,3 +470,23 @@ def test_cli_fit_two_steps_and_test_on_the_synthetic_catalogue(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.replace("│", " ")
     assert "eval/webshop_score " in out and "eval/webshop_success " in out
+
+
+def test_title_score_divides_by_the_goal_word_count_with_repeats():
+    # as the original get_type_reward: len(set(product words) & set(goal words)) / len(goal
+    # word LIST). Goal type words: lumora hair shampoo x 8 = 10 words, 3 distinct; the dryer
+    # shares one ("hair"): 1 / 10 = 0.1 (not > 0.2, not < 0.1) -> r_type 0.5, s = 0.5 * 6 / 6.
+    # Dividing by the 3 distinct words gave 1 / 3 > 0.2 -> r_type 1.0, s = 1.0.
+    goal = dict(GOAL, name="Lumora Hair Shampoo " + "Shampoo " * 7)
+    dryer = _product(
+        query="hair dryer",
+        name="Kestrel Hair Dryer Brush",
+        Title="Kestrel Hair Dryer Brush",
+        product_category="Beauty & Personal Care › Tools & Accessories › Hair Dryers",
+    )
+    s, info = webshop_score(dryer, goal, 19.99, GOAL_OPTIONS)
+    assert info["title_score"] == pytest.approx(0.1)
+    assert info["r_type"] == 0.5 and s == 0.5
+    # a repeated shared word still counts once in the numerator: 2 distinct shared / 4 words
+    two = dict(GOAL, name="Hair Hair Dryer Lumora")
+    assert webshop_score(dryer, two, 19.99, GOAL_OPTIONS)[1]["title_score"] == pytest.approx(0.5)

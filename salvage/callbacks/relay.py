@@ -1,13 +1,20 @@
 """VH-GPO rescue stage: environment-state callbacks between rollout and update.
 
-Swap these in ``trainer.callbacks`` to run the method or an ablation (SPEC §2.4):
+The rescue stage is the config key ``rescue`` of ``salvage fit`` (its own key, so an
+ablation fragment overrides only what differs and keeps the base config's teacher and
+budgets; a rescue callback in ``trainer.callbacks`` works too). The method and its
+ablations (SPEC §2.4):
 
-- ``VerifiedHandoff``        the full method;
-- ``RandomVerifiedHandoff``  handoff sampled from S \\ {j_early};
-- ``RandomAnchorOrder``      non-root anchors permuted, root last;
-- ``NoHandoff``              the whole teacher recovery is the bridge, no resume;
+- ``VerifiedHandoff``        the full method; ``relay.handoff: random`` is Random Verified
+                             Handoff (from S \\ {j_early}), ``relay.handoff: none`` No Handoff,
+                             ``relay.anchor_order: random`` Random Anchor Order;
 - ``ExtraStudentRollouts``   budget-matched: 4 extra student rollouts per selected group,
                              trained with plain GRPO (no teacher, no relay).
+
+``RandomVerifiedHandoff``, ``RandomAnchorOrder`` and ``NoHandoff`` remain as names of
+``VerifiedHandoff`` with that switch set. The teacher has no default: the paper's frozen LM
+(``teacher.kind: lm``) or, opted into explicitly, the environment's oracle (a CPU
+convenience with no teacher tokens), named in the run summary and in ``relays.jsonl``.
 
 Each runs in ``on_train_batch_start``: it restores recorded states, drives the pure search
 of ``salvage.core.relay`` with batched teacher / student rollouts (all requests of all
@@ -34,6 +41,7 @@ import lightning as L
 
 from salvage.core.agent import parse_action
 from salvage.core.relay import (
+    RANDOM_EMPTY,
     Outcome,
     RelayConfig,
     RelayResult,
@@ -62,14 +70,20 @@ log = logging.getLogger(__name__)
 class TeacherSpec:
     """The frozen teacher: an environment oracle, or an LM of any size / tokenizer."""
 
-    kind: str = "oracle"
-    """``oracle`` (gold path / handcoded expert) or ``lm``."""
+    kind: str | None = None
+    """``lm`` (the paper's frozen LM teacher) or ``oracle`` (the environment's gold path /
+    handcoded expert: a CPU convenience, zero teacher tokens). No default: choose one."""
     policy: PolicySpec | None = None
     """``lm`` only: which model."""
     engine: EngineConfig | None = None
     """``lm`` only: its sampling settings (default: the student's)."""
 
     def __post_init__(self) -> None:
+        if self.kind is None:
+            raise ValueError(
+                "teacher.kind must be set: 'lm' (the paper's frozen LM teacher, with "
+                "teacher.policy) or 'oracle' (the environment's expert, a CPU convenience)"
+            )
         if self.kind not in ("oracle", "lm"):
             raise ValueError(f"teacher.kind must be 'oracle' or 'lm', got {self.kind!r}")
         if self.kind == "lm" and self.policy is None:
@@ -95,10 +109,14 @@ class _Accounting:
         "sum_j",
         "sum_L",
         "relays",
+        "random_fallbacks",
+        "random_discards",
     )
 
     def __init__(self) -> None:
         self.total = dict.fromkeys(self.KEYS, 0.0)
+        self.random_handoff = False
+        """Random Verified Handoff: also log how often S minus j_early was empty."""
 
     def metrics(self, step: dict[str, float], fracs: list[float]) -> dict[str, float]:
         for k in self.KEYS:
@@ -139,11 +157,21 @@ class _Accounting:
             out["relay/teacher_frac"] = sum(fracs) / len(fracs)
         if t["sum_L"]:
             out["relay/pooled_reduction"] = 1.0 - t["sum_j"] / t["sum_L"]
+        if self.random_handoff:  # searches with S minus j_early empty, and those discarded
+            for k in ("random_fallbacks", "random_discards"):
+                out[f"relay/{k}"] = step.get(k, 0.0)
+                out[f"relay/{k}_cum"] = t[k]
         return out
 
 
 class RescueCallback(L.Callback):
-    """Shared shell of the rescue stages: selection, accounting, logging, records."""
+    """Shared shell of the rescue stages: selection, accounting, logging, records.
+
+    Args:
+        relay: search settings (``max_groups`` and ``group_select`` pick the groups).
+        seed: seed of the stage's random streams.
+        records: write ``relays.jsonl`` in the run directory.
+    """
 
     def __init__(
         self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True
@@ -260,8 +288,10 @@ class VerifiedHandoff(RescueCallback):
     """Full VH-GPO: teacher recovery, earliest confirmed handoff, verified relay (SPEC §2).
 
     Args:
-        relay: search settings (every knob of SPEC §2 with its default).
-        teacher: the frozen teacher (oracle by default).
+        relay: search settings (every knob of SPEC §2 with its default; ``handoff`` and
+            ``anchor_order`` select the ablations).
+        teacher: the frozen teacher, required: ``{kind: lm, policy: ...}`` (the paper's) or
+            ``{kind: oracle}`` (explicit opt-in; named in the run summary and records).
         seed: seed of the search's random streams (group selection, random ablations).
         records: write ``relays.jsonl`` in the run directory.
     """
@@ -281,8 +311,24 @@ class VerifiedHandoff(RescueCallback):
             self.cfg = replace(self.cfg, handoff=self.handoff)
         if self.anchor_order is not None:
             self.cfg = replace(self.cfg, anchor_order=self.anchor_order)
-        self.teacher_spec = teacher or TeacherSpec()
+        if teacher is None:
+            raise ValueError(
+                f"{type(self).__name__} needs a teacher (rescue.init_args.teacher): "
+                "{kind: lm, policy: {name_or_path: ...}} for the paper's frozen LM, or "
+                "{kind: oracle} to opt into the environment's expert (a CPU convenience)"
+            )
+        self.teacher_spec = teacher
         self._teacher: Any = None
+        self.acc.random_handoff = self.cfg.handoff == "random"
+
+    def describe(self) -> str:
+        """One line for the run summary: the rescue stage, its variant and its teacher."""
+        t = self.teacher_spec
+        who = "oracle (environment expert)" if t.kind == "oracle" else f"lm {t.policy.name_or_path}"
+        return (
+            f"rescue: {type(self).__name__} (handoff={self.cfg.handoff}, "
+            f"anchor_order={self.cfg.anchor_order}), teacher: {who}"
+        )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -396,6 +442,10 @@ class VerifiedHandoff(RescueCallback):
             step["extra_tokens_teacher"] = step.get("extra_tokens_teacher", 0.0) + r.teacher_tokens
             step["extra_tokens_search"] = step.get("extra_tokens_search", 0.0) + r.search_tokens
             step["extra_tokens_confirm"] = step.get("extra_tokens_confirm", 0.0) + r.confirm_tokens
+            if r.random_fallback:  # Random Verified Handoff with S minus j_early empty
+                step["random_fallbacks"] = step.get("random_fallbacks", 0.0) + 1
+                if not r.retained and r.reason == RANDOM_EMPTY:
+                    step["random_discards"] = step.get("random_discards", 0.0) + 1
             rec = self._record(trainer, s)
             if r.retained:
                 relays.append(self._relay(s, student, dm.fmt, rec))
@@ -484,7 +534,7 @@ class VerifiedHandoff(RescueCallback):
                 if t.response_ids
             ]
         pair = None
-        d = pair_index(recovery.actions[: r.j_star], s.backbone.actions, r.anchor)
+        d = pair_index(recovery.actions, s.backbone.actions, r.anchor, r.j_star, self.cfg.pair_walk)
         if d is not None:
             failed_turn = s.backbone.turns[r.anchor + d]
             h = list(failed_turn.prompt_ids) or student.encode(failed_turn.prompt_text)
@@ -504,11 +554,13 @@ class VerifiedHandoff(RescueCallback):
             "family": s.group.task.get("family"),
             "retained": r.retained,
             "reason": r.reason,
+            "teacher": self.teacher_spec.kind,
             "anchors": r.anchors_tried,
             "anchor": r.anchor,
             "L": r.L,
             "j_star": r.j_star,
             "j_early": r.j_early,
+            "random_fallback": r.random_fallback,
             "R": R,
             "teacher_frac": (r.j_star / r.L) if r.retained and r.L else None,
             "discovery": {str(k): v for k, v in r.discovery.items()},
@@ -563,7 +615,14 @@ class NoHandoff(VerifiedHandoff):
 
 class ExtraStudentRollouts(RescueCallback):
     """Budget-matched ablation: ``extra_rollouts`` more student rollouts per selected group,
-    trained with plain GRPO (advantages recomputed over the enlarged group)."""
+    trained with plain GRPO (advantages recomputed over the enlarged group).
+
+    Args:
+        relay: group selection (``max_groups``, ``group_select``); the search knobs are unused.
+        extra_rollouts: student rollouts added to each selected zero-signal group (SPEC: 4).
+        seed: seed of the extra rollouts.
+        records: write ``relays.jsonl`` in the run directory.
+    """
 
     def __init__(
         self,

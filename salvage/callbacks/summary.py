@@ -62,4 +62,9 @@ class RunSummary(L.Callback):
                 table.add_row(
                     k, f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{sum(vals) / len(vals):.4g}"
                 )
-        Console().print(table)
+        console = Console()
+        console.print(table)
+        for cb in trainer.callbacks:  # stages that name themselves (e.g. the VH-GPO teacher)
+            describe = getattr(cb, "describe", None)
+            if callable(describe):
+                console.print(describe(), soft_wrap=True, markup=False)

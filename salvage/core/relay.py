@@ -11,13 +11,18 @@ the exact order of what it asks.
         try: req = gen.send(outcomes)  # list[Outcome] (or a bool for a ReplayRequest)
         except StopIteration as stop: result = stop.value; break
 
-Every knob is a ``RelayConfig`` field with SPEC's default. Rules SPEC marks "ours" are
-named where they are implemented:
-- ours: among equally short successful teacher attempts at one anchor, the lowest
-  attempt index wins;
-- ours: a discovery test uses ``min(discovery_rollouts, rollouts left in the budget)``;
-- ours: Random Verified Handoff with ``S \\ {j_early}`` empty discards the recovery;
-- ours: the pair walk stops where the backbone ends (no pair past its last action).
+Every knob is a ``RelayConfig`` field with SPEC's default. Every rule that is ours (the
+sources are silent) is a ``RelayConfig`` switch, named where it is implemented:
+- ``group_select``: which zero-signal groups are rescued (default the first in batch order);
+- ``teacher_tie_break``: among equally short successful teacher attempts at one anchor, the
+  lowest attempt index wins (default ``first``) or the fewest output tokens (``tokens``);
+- ``partial_tests``: SPEC §2.2 tests a state only with its full ``discovery_rollouts``
+  (default ``False``); ``True`` lets the last test take what is left of the budget;
+- ``random_fallback``: Random Verified Handoff with ``S \\ {j_early}`` empty discards the
+  recovery (default ``discard``) or hands off at ``j_early`` (``j_early``);
+- ``pair_walk``: the pair walk covers the bridge (default ``bridge``, SPEC §2.3) or the whole
+  teacher recovery (``recovery``); either way it stops where the backbone ends (a pair
+  needs the student's action at that turn, so there is no alternative there).
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from typing import Any
 GROUP_SELECT = ("first", "random")
 HANDOFF = ("earliest", "random", "none")
 ANCHOR_ORDER = ("schedule", "random")
+TEACHER_TIE_BREAK = ("first", "tokens")
+RANDOM_FALLBACK = ("discard", "j_early")
+PAIR_WALK = ("bridge", "recovery")
+RANDOM_EMPTY = "random handoff: no discovery success besides j_early"
 
 # seed streams: discovery and confirmation never share a seed
 _DISCOVERY_STREAM = 1_000_000
@@ -62,6 +71,22 @@ class RelayConfig:
     """``earliest`` (VH-GPO), ``random`` (Random Verified Handoff), ``none`` (No Handoff)."""
     anchor_order: str = "schedule"
     """``schedule`` (VH-GPO) or ``random`` (Random Anchor Order: non-root permuted, root last)."""
+    teacher_tie_break: str = "first"
+    """Among equally short successful teacher attempts at one anchor (ours): ``first`` (the
+    lowest attempt index) or ``tokens`` (fewest output tokens, then the lowest index)."""
+    partial_tests: bool = False
+    """Ours, off by default (SPEC §2.2: a state that cannot get its full ``discovery_rollouts``
+    from the remaining budget is not tested). On: the last test takes what is left."""
+    random_fallback: str = "discard"
+    """Random Verified Handoff when S minus j_early is empty (the paper is silent; ours):
+    ``discard`` (default: the ablation never hands off at the earliest success, so what it
+    trains on differs from VH-GPO only in the handoff point; discards are counted in
+    ``relay/random_fallbacks``) or ``j_early`` (hand off at j_early: the same relay count as
+    VH-GPO, but those relays are VH-GPO's own)."""
+    pair_walk: str = "bridge"
+    """How far the pair's first-divergence walk goes: ``bridge`` (SPEC §2.3: teacher actions
+    up to j*) or ``recovery`` (ours: the whole teacher recovery, so a bridge equal to the
+    backbone still yields a pair when they diverge after j*)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, val: Any, why: str) -> None:
@@ -93,6 +118,29 @@ class RelayConfig:
             "anchor_order",
             self.anchor_order,
             f"must be one of {ANCHOR_ORDER}",
+        )
+        need(
+            self.teacher_tie_break in TEACHER_TIE_BREAK,
+            "teacher_tie_break",
+            self.teacher_tie_break,
+            f"must be one of {TEACHER_TIE_BREAK}",
+        )
+        need(
+            self.random_fallback in RANDOM_FALLBACK,
+            "random_fallback",
+            self.random_fallback,
+            f"must be one of {RANDOM_FALLBACK}",
+        )
+        need(
+            self.pair_walk in PAIR_WALK, "pair_walk", self.pair_walk, f"must be one of {PAIR_WALK}"
+        )
+        need(
+            self.partial_tests or self.discovery_budget >= self.discovery_rollouts,
+            "discovery_budget",
+            self.discovery_budget,
+            f"is below relay.discovery_rollouts={self.discovery_rollouts}: no state could get its "
+            "full count, so nothing would be tested (SPEC §2.2; relay.partial_tests: true allows "
+            "a smaller last test)",
         )
 
     def check_horizon(self, max_turns: int) -> None:
@@ -172,6 +220,8 @@ class RelayResult:
     teacher_tokens: int = 0
     search_tokens: int = 0
     confirm_tokens: int = 0
+    random_fallback: bool = False
+    """Random Verified Handoff found S minus j_early empty (``relay.random_fallback`` applied)."""
 
 
 # --------------------------------------------------------------------------- pieces
@@ -225,13 +275,15 @@ def random_anchor_order(anchors: Sequence[int], rng: random.Random) -> list[int]
     return non_root + ([0] if 0 in anchors else [])
 
 
-def shortest_success(outcomes: Sequence[Outcome]) -> int | None:
-    """Index of the shortest successful attempt; ties -> lowest index (ours)."""
-    best = None
-    for i, o in enumerate(outcomes):
-        if o.restored and o.success and (best is None or o.n_actions < outcomes[best].n_actions):
-            best = i
-    return best
+def shortest_success(outcomes: Sequence[Outcome], tie_break: str = "first") -> int | None:
+    """Index of the shortest successful attempt; ties (ours, ``relay.teacher_tie_break``):
+    ``first`` -> the lowest index, ``tokens`` -> fewest output tokens, then the lowest index."""
+    ok = [i for i, o in enumerate(outcomes) if o.restored and o.success]
+    if not ok:
+        return None
+    if tie_break == "tokens":
+        return min(ok, key=lambda i: (outcomes[i].n_actions, outcomes[i].output_tokens, i))
+    return min(ok, key=lambda i: (outcomes[i].n_actions, i))
 
 
 def keep_resume(outcomes: Sequence[Outcome]) -> int | None:
@@ -279,9 +331,12 @@ def discovery(
     budget = cfg.discovery_budget
     tested: dict[int, bool] = {}
 
+    def can_test() -> bool:  # SPEC: only with the full count (ours, switchable: partial)
+        return budget >= (1 if cfg.partial_tests else cfg.discovery_rollouts)
+
     def test(j: int):  # noqa: ANN202 - a sub-generator
         nonlocal budget
-        n = min(cfg.discovery_rollouts, budget)  # ours: the last test may get fewer
+        n = min(cfg.discovery_rollouts, budget)  # < discovery_rollouts only with partial_tests
         batch = [seeds.pop(0) for _ in range(n)]
         outs = yield StudentRequest("discovery", j, batch, recovery)
         budget -= n
@@ -290,7 +345,7 @@ def discovery(
 
     failed_at = None
     for j in backward_jumps(L):
-        if budget <= 0:
+        if not can_test():
             return tested
         ok = yield from test(j)
         if not ok:
@@ -301,7 +356,7 @@ def discovery(
     successes = [j for j, s in tested.items() if s]
     upper = min(successes) if successes else L
     for j in range(failed_at + 1, upper):
-        if budget <= 0:
+        if not can_test():
             break
         if (yield from test(j)):
             break
@@ -330,7 +385,7 @@ def relay_search(
         res.anchors_tried.append(a)
         res.teacher_attempts += sum(o.restored for o in outs)
         res.teacher_tokens += sum(o.output_tokens for o in outs)
-        best = shortest_success(outs)
+        best = shortest_success(outs, cfg.teacher_tie_break)
         if best is not None:
             res.anchor, res.recovery, res.L = a, outs[best], outs[best].n_actions
             break
@@ -370,10 +425,14 @@ def relay_search(
     res.j_early = S[0]
     if cfg.handoff == "random":
         others = S[1:]
-        if not others:
-            res.reason = "random handoff: no discovery success besides j_early"
-            return res
-        j_star = rng.choice(others)
+        if not others:  # the paper is silent here (ours): relay.random_fallback
+            res.random_fallback = True
+            if cfg.random_fallback == "discard":
+                res.reason = RANDOM_EMPTY
+                return res
+            j_star = S[0]
+        else:
+            j_star = rng.choice(others)
     else:
         j_star = S[0]
     assert j_star < L  # SPEC: control returns before the teacher completes the task
@@ -400,10 +459,19 @@ def relay_search(
 
 
 def pair_index(
-    bridge_actions: Sequence[str], backbone_actions: Sequence[str], anchor: int
+    recovery_actions: Sequence[str],
+    backbone_actions: Sequence[str],
+    anchor: int,
+    j_star: int,
+    walk: str = "bridge",
 ) -> int | None:
-    """Index into the bridge of the action-preference pair (first divergence), if any."""
-    return first_divergence(bridge_actions, list(backbone_actions[anchor:]))
+    """Index into the recovery of the action-preference pair (first divergence), if any.
+
+    ``walk`` (``relay.pair_walk``): ``bridge`` compares the teacher's first ``j_star`` actions
+    (SPEC §2.3), ``recovery`` all of them (ours). Either stops where the backbone ends.
+    """
+    limit = j_star if walk == "bridge" else len(recovery_actions)
+    return first_divergence(list(recovery_actions[:limit]), list(backbone_actions[anchor:]))
 
 
 def select_groups(zero_signal: Sequence[int], cfg: RelayConfig, rng: random.Random) -> list[int]:

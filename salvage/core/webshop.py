@@ -8,7 +8,9 @@ s = r_type * (attribute matches + option matches + 1[price <= price_upper])
 - a goal option matches (after colour normalisation) when ``token_set_ratio > 85``
   against one of the chosen option values;
 - r_type is 1, lowered to 0.5 when neither the query, nor >= 2 shared category levels,
-  nor > 20% of the goal title's type words match; 0.1 below 10%; 0 at none.
+  nor a title score > 0.2 matches; 0.1 below 0.1; 0 at none. The title score is the number
+  of distinct type words the two names share over the goal name's type-word count with
+  repeats (Amazon titles repeat words: "Tea Tree Shampoo ... Shampoo" counts shampoo twice).
 
 Differences from the original (read in ``web_agent_site/engine/goal.py``): type words are
 alphabetic non-function words (the original uses spaCy noun tags; spaCy models cannot be
@@ -56,13 +58,19 @@ def normalize_color(value: str) -> str:
     return next((c for c in COLOR_SET if c in value), value)
 
 
-def title_words(name: str) -> set[str]:
-    """Type words of a product name (ours: stands in for spaCy's NOUN/PROPN tokens)."""
-    return {
+def type_words(name: str) -> list[str]:
+    """Type words of a product name in order, repeats kept (ours: stands in for spaCy's
+    NOUN/PROPN tokens; the original keeps a list, so a repeated word counts each time)."""
+    return [
         w
         for w in re.findall(r"[a-z]+(?:[.'][a-z]+)*", name.lower())
         if len(w) >= 2 and w not in FUNCTION_WORDS
-    }
+    ]
+
+
+def title_words(name: str) -> set[str]:
+    """The distinct type words of a product name."""
+    return set(type_words(name))
 
 
 def type_reward(product: dict[str, Any], goal: dict[str, Any]) -> dict[str, Any]:
@@ -70,8 +78,9 @@ def type_reward(product: dict[str, Any], goal: dict[str, Any]) -> dict[str, Any]
     cats_p = {x.strip() for x in product["product_category"].split("›")}
     cats_g = {x.strip() for x in goal["product_category"].split("›")}
     category_match = len(cats_p & cats_g) >= 2
-    want, got = title_words(goal["name"]), title_words(product["name"])
-    title_score = len(want & got) / len(want) if want else 0.2
+    # as the original: distinct shared words over the goal name's word count WITH repeats
+    want, got = type_words(goal["name"]), title_words(product["name"])
+    title_score = len(set(want) & got) / len(want) if want else 0.2
     r_type = 1.0
     if not (query_match or category_match or title_score > 0.2):
         r_type = 0.5

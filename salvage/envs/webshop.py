@@ -29,9 +29,12 @@ on the search page and ``click[x]`` elsewhere (verl-agent's format). Anything el
 the state and observation stay unchanged and ``info["invalid_action"]`` is set. The episode
 ends at ``buy now`` (score s) or after ``step_limit`` (H = 15) actions (s = 0).
 
-Reward: ``salvage.core.webshop.webshop_score``, the original ``get_reward`` (``engine/goal.py``
-as of WebShop's current code; its first release matched options differently), written out
-in that module's docstring. ``won = s == 1`` at purchase (training reward ``10 * won``, SPEC §2.6).
+Reward: ``salvage.core.webshop.webshop_score``, the original ``get_reward`` of
+``engine/goal.py``, written out in that module's docstring. Its option rule (each goal option
+counts once if a chosen value fuzzy-matches it) is the same in the first release (2022-07) and
+the current code (2024-05); only the spaCy model changed (``_lg`` -> ``_sm``). A later commit
+that iterates the chosen options instead ("Finer matching for options", 2022-08) never
+reached the main branch and is not followed. ``won = s == 1`` at purchase (training reward ``10 * won``, SPEC §2.6).
 
 Where this differs from the original (ours):
 - title words for ``r_type``: the original keeps the NOUN/PROPN tokens of spaCy's

@@ -8,6 +8,10 @@ come from the relays a rescue callback attached to the batch
 normalised on its own (mean over its items); a term with no items is omitted.
 Scores use temperature 1. The pair's reference is the frozen initial student.
 Ours: the auxiliary gradient joins the update once, in its last minibatch.
+
+The GRPO part is the paper's "unchanged standard GRPO" (SPEC §1): symmetric clip 0.2 and
+sequence-mean-token-mean aggregation are this module's defaults; the DAPO-style settings
+(``clip_eps_high: 0.28``, ``loss_agg: token-mean``, GRPOModule's defaults) stay switches.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class VHGPOModule(GRPOModule):
     Args:
         beta: preference strength of the pair objective.
         lambda_pair / lambda_bridge / lambda_resume: weights of the three objectives (ours: 1.0).
-        **kwargs: every GRPOModule argument.
+        clip_eps_high: upper clip (standard GRPO: 0.2, symmetric; DAPO-style: 0.28).
+        loss_agg: ``seq-mean-token-mean`` (standard GRPO, default) or ``token-mean`` (DAPO).
+        **kwargs: every other GRPOModule argument.
     """
 
     METRICS = TRAIN_METRICS + AUX_METRICS
@@ -50,6 +56,8 @@ class VHGPOModule(GRPOModule):
         lambda_pair: float = 1.0,
         lambda_bridge: float = 1.0,
         lambda_resume: float = 1.0,
+        clip_eps_high: float = 0.2,
+        loss_agg: str = "seq-mean-token-mean",
         **kwargs: Any,
     ) -> None:
         for key, val in (
@@ -61,7 +69,7 @@ class VHGPOModule(GRPOModule):
                 raise ValueError(f"model.{key}={val!r} must be >= 0")
         if beta <= 0:
             raise ValueError(f"model.beta={beta!r} must be > 0")
-        super().__init__(**kwargs)
+        super().__init__(clip_eps_high=clip_eps_high, loss_agg=loss_agg, **kwargs)
         self.save_hyperparameters(
             {
                 **self.hparams,
