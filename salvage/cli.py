@@ -84,6 +84,11 @@ def main(args: list[str] | None = None) -> None:
 
         export_main(argv[1:])
         return
+    if argv and argv[0] in ("study", "compare"):
+        from salvage import compare, study
+
+        (study.main if argv[0] == "study" else compare.main)(argv[1:])
+        return
     SalvageCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
