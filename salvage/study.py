@@ -285,6 +285,16 @@ def execute(cmd: list[str], run_dir: str, env: dict[str, str]) -> int:
     return rc
 
 
+def _recorded_args(run: Run) -> list[str] | None:
+    """The fit arguments a finished run recorded (without a resume's ``--ckpt_path``)."""
+    try:
+        cmd = json.loads((run.dir / "done.json").read_text(encoding="utf-8"))["command"]
+        args = cmd[cmd.index("fit") + 1 :]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return args[:-2] if args[-2:] == ["--ckpt_path", "last"] else args
+
+
 def _tail(path: Path, n: int = 20) -> str:
     try:
         return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
@@ -388,6 +398,14 @@ def run_study(
         },
     )
     todo = [r for r in runs if not r.done]
+    for r in runs:
+        if r.done and _recorded_args(r) not in (None, r.args):
+            print(
+                f"warning: {r.method}/seed{r.seed} is done but was run with other arguments "
+                f"than the study now gives (see {r.dir / 'done.json'}); delete its done.json "
+                "to rerun it",
+                file=sys.stderr,
+            )
     print(
         f"study {study.name}: {len(runs)} runs, {len(runs) - len(todo)} done, "
         f"{len(todo)} to run -> {out_dir}",

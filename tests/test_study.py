@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from salvage.compare import compare, heldout_keys, read_run
-from salvage.study import load_study, plan, ray_resources, run_env
+from salvage.study import load_study, plan, ray_resources, run_env, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/grpo/math_tiny.yaml"
@@ -119,6 +119,23 @@ def test_plan_builds_one_fit_per_method_and_seed(tmp_path, monkeypatch):
         "other",
         "other-seed5",
     )
+
+
+def test_finished_runs_are_skipped_and_changed_ones_flagged(tmp_path, capsys):
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0, 1]\nmethods: {{grpo: []}}\n")
+    out = tmp_path / "o"
+    same, changed = plan(load_study(f), out)
+    for r, args in ((same, [*same.args, "--ckpt_path", "last"]), (changed, ["--other"])):
+        _write(
+            r.dir / "done.json", json.dumps({"command": ["py", "-m", "salvage.cli", "fit", *args]})
+        )
+    assert run_study(f, out) == 0  # nothing to run: no fit is started
+    got = capsys.readouterr()
+    assert "2 runs, 2 done, 0 to run" in got.out
+    assert "grpo/seed1 is done but was run with other arguments" in got.err
+    assert "grpo/seed0" not in got.err
+    info = json.loads((out / "study.json").read_text())
+    assert info["methods"] == ["grpo"] and info["seeds"] == [0, 1]
 
 
 def test_ray_task_resources_come_from_the_config(tmp_path):
@@ -301,3 +318,25 @@ def test_micro_study_killed_resumed_and_compared(tmp_path):
     assert "| drgrpo | 2 |" in md.split("Paired with the baseline")[1]
     for name in ("val_success.png", "rollout_success_rate.png", "cost_gpu_hours.png"):
         assert _colours(out / "compare" / name) > 10, name
+
+
+@pytest.mark.slow
+def test_ray_backend_runs_each_run_as_a_task(tmp_path):
+    """One tiny run through ``--backend ray`` (a local Ray instance): done marker, metrics."""
+    pytest.importorskip("ray")
+    f = _write(
+        tmp_path / "ray1.yaml",
+        f"base: {TINY}\nseeds: [0]\n"
+        "overrides: {trainer.max_steps: 1, trainer.enable_progress_bar: false, "
+        "data.init_args.prompts_per_step: 2, data.init_args.engine.max_new_tokens: 8}\n"
+        "methods: {grpo: []}\n",
+    )
+    out = tmp_path / "study"
+    env = _env() | {"RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    res = subprocess.run([*cmd, "--backend", "ray"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "'num_cpus': 1.0, 'num_gpus': 0.0" in res.stdout
+    run = out / "grpo" / "seed0"
+    assert json.loads((run / "done.json").read_text())["returncode"] == 0
+    assert (run / "version_0" / "metrics.csv").is_file()
