@@ -4,17 +4,18 @@ A study file::
 
     # salvage study studies/example.yaml
     name: example                 # default: the file's stem
-    base: configs/grpo/math_tiny.yaml   # one config or a list, passed first as --config
+    base: configs/vhgpo/twx_tiny.yaml   # one config or a list, passed first as --config
     baseline: grpo                # the method `salvage compare` compares against
     seeds: [0, 1, 2]
     overrides:                    # common to every method: {dotted.key: value} or "--key value"
       trainer.max_steps: 40
+      trainer.val_check_interval: 10
     methods:                      # name -> list of config fragments and/or overrides
-      grpo: []
-      vhgpo:
-        - configs/vhgpo/twx_tiny.yaml
-        - {model.init_args.lambda_pair: 0.5}
-        - "--trainer.val_check_interval 5"
+      grpo: [configs/vhgpo/ablations/grpo_baseline.yaml]
+      vhgpo: []
+      no_pair:
+        - {model.init_args.lambda_pair: 0}
+        - "--model.init_args.beta 0.2"
     seed_keys: [seed_everything, data.init_args.seed, model.init_args.seed]  # the default
     ray_resources: {num_gpus: 1, num_cpus: 4}    # optional, --backend ray only
 
