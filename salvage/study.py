@@ -36,7 +36,7 @@ and exit code) and is skipped on later calls; a run without it is started again,
 through ``--ckpt_path last`` when the run dir holds a ``last.ckpt``, so a study interrupted at
 any point finishes on the next call. Runs go one after another (``--backend local``) or as
 one Ray task each (``--backend ray``; resources from ``ray_resources`` or else from the
-config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda/auto;
+config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda, or auto on a cluster with GPUs;
 the study dir must be on a filesystem every Ray node sees). Each run's environment sets
 ``WANDB_RUN_GROUP`` = study name, ``WANDB_JOB_TYPE`` = method and ``WANDB_NAME`` =
 ``<method>-seed<k>``, so W&B overlays the methods of a study without set-up.
@@ -320,9 +320,10 @@ def _merged_config(study: Study, configs: list[Path]) -> dict[str, Any]:
     return cfg
 
 
-def ray_resources(study: Study, run: Run) -> dict[str, float]:
+def ray_resources(study: Study, run: Run, cluster_gpus: float = 0.0) -> dict[str, float]:
     """Ray task resources of a run: ``ray_resources`` from the study, else from the config
-    and overrides: ``num_gpus = trainer.devices`` on a GPU accelerator, one CPU."""
+    and overrides: ``num_gpus = trainer.devices`` on a gpu/cuda accelerator (``auto``: when
+    the cluster has GPUs), one CPU."""
     if study.ray_resources is not None:
         return dict(study.ray_resources)
     trainer = _merged_config(study, study.methods[run.method][0]).get("trainer") or {}
@@ -332,13 +333,16 @@ def ray_resources(study: Study, run: Run) -> dict[str, float]:
         if t == "--trainer.accelerator":
             acc = toks[i + 1]
         elif t == "--trainer.devices":
-            devices = toks[i + 1]
-    gpu = str(acc).lower() in ("gpu", "cuda", "auto")
-    try:
-        n = int(devices)
-    except (TypeError, ValueError):
+            devices = yaml.safe_load(toks[i + 1])
+    acc = str(acc).lower()
+    gpu = acc in ("gpu", "cuda") or (acc == "auto" and cluster_gpus > 0)
+    if isinstance(devices, list):
+        n = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        n = devices
+    else:  # "auto" / -1: all of a node's devices; ask for one, set ray_resources for more
         n = 1
-    return {"num_cpus": 1.0, "num_gpus": float(max(n, 1)) if gpu else 0.0}
+    return {"num_cpus": 1.0, "num_gpus": float(n) if gpu else 0.0}
 
 
 def _run_local(study: Study, todo: list[Run]) -> list[Run]:
@@ -362,9 +366,10 @@ def _run_ray(study: Study, todo: list[Run], address: str | None) -> list[Run]:
         raise SystemExit("--backend ray needs ray: pip install 'salvage[ray]'") from e
     ray.init(address=address, ignore_reinit_error=True)
     task = ray.remote(execute)
+    gpus = float(ray.cluster_resources().get("GPU", 0.0))
     refs = {}
     for r in todo:
-        opts = ray_resources(study, r)
+        opts = ray_resources(study, r, gpus)
         print(f"submitting {r.method} seed {r.seed} ({opts}) -> {r.dir}", flush=True)
         refs[task.options(**opts).remote(r.command(), str(r.dir), run_env(study, r))] = r
     failed = []

@@ -150,6 +150,9 @@ def test_ray_task_resources_come_from_the_config(tmp_path):
     assert ray_resources(study, runs["cpu"]) == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert ray_resources(study, runs["gpu"]) == {"num_cpus": 1.0, "num_gpus": 4.0}
     assert ray_resources(study, runs["two"]) == {"num_cpus": 1.0, "num_gpus": 2.0}
+    _write(tmp_path / "gpu.yaml", "trainer: {accelerator: auto, devices: [0, 1, 2]}\n")
+    assert ray_resources(study, runs["gpu"]) == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert ray_resources(study, runs["gpu"], cluster_gpus=8) == {"num_cpus": 1.0, "num_gpus": 3.0}
     _write(f, f.read_text() + "ray_resources: {num_gpus: 1, num_cpus: 8}\n")
     study = load_study(f)
     assert ray_resources(study, runs["cpu"]) == {"num_gpus": 1, "num_cpus": 8}
