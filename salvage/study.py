@@ -36,8 +36,8 @@ and exit code) and is skipped on later calls; a run without it is started again,
 through ``--ckpt_path last`` when the run dir holds a ``last.ckpt``, so a study interrupted at
 any point finishes on the next call. Runs go one after another (``--backend local``) or as
 one Ray task each (``--backend ray``; resources from ``ray_resources`` or else from the
-config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda, or auto on a cluster with GPUs;
-the study dir must be on a filesystem every Ray node sees). Each run's environment sets
+config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda, or auto on
+a cluster with GPUs; the study dir must be on a filesystem every Ray node sees). Each run's environment sets
 ``WANDB_RUN_GROUP`` = study name, ``WANDB_JOB_TYPE`` = method and ``WANDB_NAME`` =
 ``<method>-seed<k>``, so W&B overlays the methods of a study without set-up.
 """
