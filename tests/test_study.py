@@ -50,6 +50,16 @@ def test_study_file_errors_name_the_file_key_and_value(tmp_path):
         load_study(tmp_path / "absent.yaml")
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "studies").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_studies_load(path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # paths resolve relative to the study file, not the cwd
+    study = load_study(path)
+    assert study.baseline in study.methods and len(study.seeds) >= 3
+    assert all(
+        c.is_file() for r in plan(study, tmp_path) for c in map(Path, r.args) if c.suffix == ".yaml"
+    )
+
+
 def test_plan_builds_one_fit_per_method_and_seed(tmp_path, monkeypatch):
     # base relative to the current directory; the fragment relative to the study file
     monkeypatch.chdir(ROOT)
