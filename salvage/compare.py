@@ -17,7 +17,8 @@ Writes into ``--out`` (default ``STUDY_DIR/compare``, or ``./compare`` for run d
   held-out score and the area under the held-out curve over its step range divided by
   that range (the curve's average), each mean ± 95% CI over seeds (t-distribution, see
   ``salvage.core.stats``); wall time (``cost/wall_s``) relative to the baseline's mean and
-  the extra-token ratio; then the paired comparison with the baseline (``baseline:`` of
+  the extra-token ratio (VH-GPO's rescue tokens over the run's own rollout tokens, i.e.
+  over what GRPO alone generates at the same batch shape); then the paired comparison with the baseline (``baseline:`` of
   the study, or ``--baseline``): per-seed differences of the final score and the AUC,
   their mean ± CI, over the seeds both have (a warning when the seed sets differ).
 """
