@@ -10,6 +10,7 @@ A study file::
     overrides:                    # common to every method: {dotted.key: value} or "--key value"
       trainer.max_steps: 40
       trainer.val_check_interval: 10
+      trainer.check_val_every_n_epoch: null
     methods:                      # name -> list of config fragments and/or overrides
       grpo: [configs/vhgpo/ablations/grpo_baseline.yaml]
       vhgpo: []
