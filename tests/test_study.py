@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from salvage.compare import compare, heldout_keys, read_run
-from salvage.study import load_study, plan, ray_resources, run_env, run_study
+from salvage.study import execute, load_study, plan, ray_resources, run_env, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/grpo/math_tiny.yaml"
@@ -146,6 +146,19 @@ def test_finished_runs_are_skipped_and_changed_ones_flagged(tmp_path, capsys):
     assert "grpo/seed0" not in got.err
     info = json.loads((out / "study.json").read_text())
     assert info["methods"] == ["grpo"] and info["seeds"] == [0, 1]
+
+
+def test_execute_marks_only_a_clean_exit_done(tmp_path):
+    run = tmp_path / "m" / "seed0"
+    fail = [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]
+    assert execute(fail, str(run), dict(os.environ)) == 3
+    assert not (run / "done.json").exists()
+    ok = [sys.executable, "-c", "print('fine')"]
+    assert execute(ok, str(run), dict(os.environ)) == 0
+    done = json.loads((run / "done.json").read_text())
+    assert done["command"] == ok and done["returncode"] == 0
+    log = (run / "fit.log").read_text()  # both attempts, appended
+    assert "boom" in log and "fine" in log and log.count("$ ") == 2
 
 
 def test_ray_task_resources_come_from_the_config(tmp_path):
