@@ -155,7 +155,7 @@ def plot(runs: list[RunData], key: str, title: str, path: Path) -> bool:
         lo = [iv.low if not math.isnan(iv.half) else iv.mean for _, iv in b]
         hi = [iv.high if not math.isnan(iv.half) else iv.mean for _, iv in b]
         ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.set_xlabel("update")
+    ax.set_xlabel("step (update index, from 0)")
     ax.set_ylabel(key)
     ax.set_title(f"{title}: mean over seeds, 95% band")
     ax.grid(alpha=0.3)
@@ -187,7 +187,7 @@ def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[s
     for key in keys:
         lines += [f"### {key}", ""]
         lines.append(
-            "| method | seeds | final | best | AUC (mean over updates) | last update "
+            "| method | seeds | final | best | AUC (mean over updates) | last step "
             "| wall time | wall / baseline | extra-token ratio |"
         )
         lines.append("|---|---|---|---|---|---|---|---|---|")
