@@ -254,6 +254,11 @@ def _run(argv: list[str], from_sys_argv: bool = False) -> None:
 
         export_main(argv[1:])
         return
+    if argv and argv[0] in ("study", "compare"):
+        from salvage import compare, study
+
+        (study.main if argv[0] == "study" else compare.main)(argv[1:])
+        return
     if argv and argv[0] == "test":  # salvage test --repeats N (salvage.callbacks.repeats)
         argv = repeats_argv(argv)
     check_config_files(argv)

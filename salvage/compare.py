@@ -1,0 +1,317 @@
+"""``salvage compare STUDY_DIR [RUN_DIR ...]``: methods over seeds, as curves and a table.
+
+Inputs: a study dir (``salvage study``'s ``STUDY_DIR/<method>/seed<k>``), method dirs, or
+any run dirs; a run's method is its parent folder's name and its seed the number in ``seed<k>`` (else
+its position). A run's metrics are all its ``version_*/metrics.csv`` read in version order,
+a later version overriding an earlier one at the same step (a resumed run continues the
+steps of the one it resumed).
+
+Writes into ``--out`` (default ``STUDY_DIR/compare``, or ``./compare`` for run dirs):
+
+- one PNG per metric: the mean over seeds per method with its 95% t band, for the held-out
+  score (``[<model>/]val/success``, else ``[<model>/]val/aggregate``; ``--metric`` names
+  others), training success (``rollout/success_rate``), the zero-signal fraction
+  (``rollout/zero_signal_frac``), the extra-token ratio (``cost/extra_token_ratio``,
+  VH-GPO) and GPU-hours (``cost/gpu_hours``), each where the runs logged it;
+- ``compare.md`` (also printed): per held-out metric and method, the final and best
+  held-out score and the area under the held-out curve over its step range divided by
+  that range (the curve's average), each mean ± 95% CI over seeds (t-distribution, see
+  ``salvage.core.stats``); wall time (``cost/wall_s``) relative to the baseline's mean and
+  the extra-token ratio (VH-GPO's rescue tokens over the run's own rollout tokens, i.e.
+  over what GRPO alone generates at the same batch shape); then the paired comparison with the baseline (``baseline:`` of
+  the study, or ``--baseline``): per-seed differences of the final score and the AUC,
+  their mean ± CI, over the seeds both have (a warning when the seed sets differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from salvage.core.stats import Interval, band, ci95, mean, mean_auc, paired
+from salvage.report import load_metrics
+
+CURVES = (
+    ("training success", r"(?:^|/)rollout/success_rate$"),
+    ("zero-signal fraction", r"(?:^|/)rollout/zero_signal_frac$"),
+    ("extra-token ratio", r"^cost/extra_token_ratio$"),
+    ("GPU-hours", r"^cost/gpu_hours$"),
+)
+_VERSION = re.compile(r"^version_(\d+)$")
+_SEED = re.compile(r"seed(\d+)$")
+
+
+@dataclass
+class RunData:
+    """One run: its method, seed, and metric -> {step: value} over all its versions."""
+
+    method: str
+    seed: int
+    dir: Path
+    series: dict[str, dict[float, float]] = field(default_factory=dict)
+
+    def curve(self, key: str) -> tuple[list[float], list[float]]:
+        pts = sorted(self.series.get(key, {}).items())
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def final(self, key: str) -> float:
+        xs, ys = self.curve(key)
+        return ys[-1] if ys else math.nan
+
+
+def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
+    """Metric -> {step: value} from every ``version_*/metrics.csv``, later versions winning."""
+    versions = sorted(
+        (int(m.group(1)), p)
+        for p in run_dir.iterdir()
+        if p.is_dir() and (m := _VERSION.match(p.name)) and (p / "metrics.csv").is_file()
+    )
+    out: dict[str, dict[float, float]] = {}
+    for _, v in versions:
+        for key, pts in load_metrics(v / "metrics.csv").items():
+            out.setdefault(key, {}).update(dict(pts))
+    return out
+
+
+def _is_run(p: Path) -> bool:
+    return p.is_dir() and any((v / "metrics.csv").is_file() for v in p.glob("version_*"))
+
+
+def collect(paths: list[Path]) -> list[RunData]:
+    """Runs under the given study dirs / run dirs (method = parent folder name)."""
+    found: list[Path] = []
+    for p in paths:
+        if not p.is_dir():
+            raise ValueError(f"{str(p)!r} is not a directory")
+        if _is_run(p):
+            found.append(p)
+            continue
+        # a method dir (its children are runs), else a study dir (grandchildren)
+        runs = sorted(r for r in p.iterdir() if _is_run(r))
+        runs = runs or sorted(
+            r for m in p.iterdir() if m.is_dir() for r in m.iterdir() if _is_run(r)
+        )
+        if not runs:
+            raise ValueError(
+                f"{str(p)!r} holds no run dirs (RUN/version_*/metrics.csv, "
+                "METHOD/RUN/... or STUDY/METHOD/RUN/...)"
+            )
+        found += runs
+    out, pos = [], {}
+    for r in found:
+        method = r.parent.name
+        m = _SEED.search(r.name)
+        seed = int(m.group(1)) if m else pos.get(method, 0)
+        pos[method] = pos.get(method, 0) + 1
+        out.append(RunData(method, seed, r, read_run(r)))
+    return out
+
+
+def heldout_keys(runs: list[RunData]) -> list[str]:
+    """``[<model>/]val/success`` per model prefix, else ``[<model>/]val/aggregate``."""
+    keys = {k for r in runs for k in r.series}
+    prefixes = sorted(
+        {m.group(1) or "" for k in keys if (m := re.match(r"^(.*/)?val/(success|aggregate)$", k))}
+    )
+    out = []
+    for pre in prefixes:
+        out.append(f"{pre}val/success" if f"{pre}val/success" in keys else f"{pre}val/aggregate")
+    return out
+
+
+def _by_method(runs: list[RunData]) -> dict[str, list[RunData]]:
+    out: dict[str, list[RunData]] = {}
+    for r in runs:
+        out.setdefault(r.method, []).append(r)
+    return out
+
+
+def plot(runs: list[RunData], key: str, title: str, path: Path) -> bool:
+    """Mean over seeds per method with the 95% band; False if no run logged ``key``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {
+        m: [r.series[key] for r in rs if r.series.get(key)] for m, rs in _by_method(runs).items()
+    }
+    groups = {m: c for m, c in groups.items() if c}
+    if not groups:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for m, curves in groups.items():
+        b = band(curves)
+        xs = [x for x, _ in b]
+        ys = [iv.mean for _, iv in b]
+        (line,) = ax.plot(
+            xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=f"{m} (n={len(curves)})"
+        )
+        lo = [iv.low if not math.isnan(iv.half) else iv.mean for _, iv in b]
+        hi = [iv.high if not math.isnan(iv.half) else iv.mean for _, iv in b]
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("step (update index, from 0)")
+    ax.set_ylabel(key)
+    ax.set_title(f"{title}: mean over seeds, 95% band")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _fmt(iv: Interval, digits: int = 3) -> str:
+    return iv.fmt(digits)
+
+
+def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[str, list[str]]:
+    """The markdown table(s) and the warnings."""
+    warnings: list[str] = []
+    methods = _by_method(runs)
+    lines: list[str] = []
+    if baseline is not None and baseline not in methods:
+        warnings.append(f"baseline {baseline!r} is not among the methods {sorted(methods)}")
+        baseline = None
+    seedsets = {m: sorted(r.seed for r in rs) for m, rs in methods.items()}
+    if len({tuple(s) for s in seedsets.values()}) > 1:
+        warnings.append(f"methods have different seed sets: {seedsets}")
+    base_wall = (
+        mean([r.final("cost/wall_s") for r in methods.get(baseline, [])]) if baseline else math.nan
+    )
+    for key in keys:
+        lines += [f"### {key}", ""]
+        lines.append(
+            "| method | seeds | final | best | AUC (mean over updates) | last step "
+            "| wall time | wall / baseline | extra-token ratio |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        per: dict[str, dict[str, dict[int, float]]] = {}
+        for m, rs in methods.items():
+            rs = [r for r in rs if r.series.get(key)]
+            if not rs:
+                lines.append(f"| {m} | 0 | n/a | n/a | n/a | | | | |")
+                continue
+            fin = {r.seed: r.final(key) for r in rs}
+            best = {r.seed: max(r.curve(key)[1]) for r in rs}
+            area = {r.seed: mean_auc(*r.curve(key)) for r in rs}
+            per[m] = {"final": fin, "auc": area}
+            last = sorted({int(r.curve(key)[0][-1]) for r in rs})
+            if len(last) > 1:
+                warnings.append(f"{m}: {key} ends at different updates over seeds: {last}")
+            wall = [r.final("cost/wall_s") for r in rs if "cost/wall_s" in r.series]
+            wall_iv = ci95(wall) if wall else Interval(math.nan, math.nan, 0)
+            rel = wall_iv.mean / base_wall if wall and base_wall > 0 else math.nan
+            extra = [
+                r.final("cost/extra_token_ratio")
+                for r in rs
+                if "cost/extra_token_ratio" in r.series
+            ]
+            lines.append(
+                f"| {m} | {len(rs)} | {_fmt(ci95(list(fin.values())))} "
+                f"| {_fmt(ci95(list(best.values())))} | {_fmt(ci95(list(area.values())))} "
+                f"| {'/'.join(map(str, last))} | {_fmt(wall_iv, 1)} s "
+                f"| {'n/a' if math.isnan(rel) else f'{rel:.2f}x'} "
+                f"| {_fmt(ci95(extra), 3) if extra else 'not logged'} |"
+            )
+        lines.append("")
+        if baseline is not None and baseline in per:
+            lines += [
+                f"Paired with the baseline `{baseline}` (method - baseline, per seed; mean ± 95% CI):",
+                "",
+                "| method | seeds | Δ final | Δ AUC | per-seed Δ final |",
+                "|---|---|---|---|---|",
+            ]
+            for m, d in per.items():
+                if m == baseline:
+                    continue
+                pf = paired(d["final"], per[baseline]["final"])
+                pa = paired(d["auc"], per[baseline]["auc"])
+                if not pf.same_seeds:
+                    warnings.append(
+                        f"{key}: {m} vs {baseline}: seeds only in {m}: {list(pf.only_method)}, "
+                        f"only in {baseline}: {list(pf.only_baseline)} (paired on {list(pf.seeds)})"
+                    )
+                per_seed = ", ".join(
+                    f"s{s}: {v:+.3f}" for s, v in zip(pf.seeds, pf.diffs, strict=True)
+                )
+                lines.append(
+                    f"| {m} | {len(pf.seeds)} | {_fmt(pf.interval)} | {_fmt(pa.interval)} | {per_seed} |"
+                )
+            lines.append("")
+    return "\n".join(lines), warnings
+
+
+def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[str] | None) -> str:
+    """Write the PNGs and ``compare.md`` into ``out``; return the markdown."""
+    runs = collect(paths)
+    if len(paths) == 1 and (paths[0] / "study.json").is_file():
+        info = json.loads((paths[0] / "study.json").read_text(encoding="utf-8"))
+        baseline = baseline or info.get("baseline")
+        order = {m: i for i, m in enumerate(info.get("methods") or [])}
+        runs.sort(key=lambda r: (order.get(r.method, len(order)), r.method, r.seed))
+    keys = metrics or heldout_keys(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    all_keys = {k for r in runs for k in r.series}
+    plots, missing = [], []
+    for k in keys:
+        (plots if plot(runs, k, "held-out", out / f"{_slug(k)}.png") else missing).append(k)
+    for title, pat in CURVES:
+        matched = sorted(k for k in all_keys if re.search(pat, k))
+        if not matched:
+            missing.append(title)
+        for k in matched:
+            if plot(runs, k, title, out / f"{_slug(k)}.png"):
+                plots.append(k)
+    body, warnings = table(runs, keys, baseline)
+    methods = _by_method(runs)
+    md = ["# Comparison", ""]
+    md.append(
+        "Runs: "
+        + "; ".join(f"{m}: seeds {sorted(r.seed for r in rs)}" for m, rs in methods.items())
+    )
+    md.append(f"Baseline: {baseline or 'none'}")
+    md.append("")
+    if not keys:
+        md += ["No held-out metric (val/success, val/aggregate) logged; no score table.", ""]
+    md.append(body)
+    md += ["Plots: " + ", ".join(f"`{_slug(k)}.png`" for k in plots)]
+    if missing:
+        md.append("Not logged by any run: " + ", ".join(missing))
+    if warnings:
+        md += ["", "Warnings:", *[f"- {w}" for w in warnings]]
+    text = "\n".join(md) + "\n"
+    (out / "compare.md").write_text(text, encoding="utf-8")
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return text
+
+
+def _slug(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("_")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="salvage compare", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("paths", nargs="+", type=Path, help="a study dir, or run dirs")
+    p.add_argument("--out", type=Path, default=None, help="output folder")
+    p.add_argument("--baseline", default=None, help="baseline method (default: the study's)")
+    p.add_argument(
+        "--metric", action="append", default=None, help="held-out metric key (repeatable)"
+    )
+    a = p.parse_args(argv)
+    out = a.out or (
+        a.paths[0] / "compare" if len(a.paths) == 1 and not _is_run(a.paths[0]) else Path("compare")
+    )
+    try:
+        print(compare(a.paths, out, a.baseline, a.metric), end="")
+    except ValueError as e:
+        p.exit(2, f"salvage compare: error: {e}\n")
+    print(f"wrote {out}")
