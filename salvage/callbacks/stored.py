@@ -127,7 +127,11 @@ class StoredPeer(L.Callback):
 
     Args:
         dirpath: the partner's ``rollouts`` directory.
-        delta / gate / floor / peer_filter / admission: as ``GRAFTModule``.
+        delta: compatibility gate threshold: a peer response counts only if ``s > delta``.
+        gate: apply the gate (False: every peer response weighs 1).
+        floor: zero the weights under the gate (False: w = min(s, 1) for every response).
+        peer_filter: ``all`` (the partner's full group) or ``success`` (its successes only).
+        admission: ``compat`` (compatibility weights) or ``random`` (random admission).
         seed: seed of the random admission stream.
     """
 

@@ -34,6 +34,9 @@ class RunSummary(L.Callback):
 
     Keys a run does not log (e.g. ``relay/*`` without a rescue stage) are left out.
     ``*_cum`` and ``cost/*`` are cumulative: their "last" is the run total.
+
+    Args:
+        keys: the metrics to show (None: a default list of the key metrics).
     """
 
     def __init__(self, keys: list[str] | None = None) -> None:

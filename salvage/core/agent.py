@@ -33,10 +33,13 @@ class AgentFormat:
     template: str = DEFAULT_TEMPLATE
     """Python format string with {task} {history_block} {step} {budget} {observation} {admissible}."""
     history_template: str = HISTORY_TEMPLATE
+    """How the past (observation, action) pairs are shown (``{k}``, ``{history}``)."""
     history_k: int = 2
     """How many past (observation, action) pairs the prompt shows."""
     action_tag: str = "action"
+    """The tag around the executable action: ``<action>...</action>``."""
     think_tag: str = "think"
+    """The tag around the reasoning: ``<think>...</think>``."""
     require_think: bool = False
     """Also require a closed think tag for the action to count as well formed."""
     invalid_penalty: float = 0.1
@@ -44,7 +47,9 @@ class AgentFormat:
     success_reward: float = 10.0
     """Trajectory reward on success (``10 * won``)."""
     max_action_chars: int = 200
+    """Longer actions are cut to this many characters."""
     system_prompt: str | None = None
+    """An optional system message before the task prompt."""
     stop: list[str] = field(default_factory=lambda: ["</action>"])
     """Stop strings for generation (the closing action tag)."""
 

@@ -59,6 +59,7 @@ class RelayConfig:
     stride: int = 5
     """Backtracking stride of the anchor schedule (ours: SPEC gives no value)."""
     max_backtracks: int = 4
+    """Backtracks of the anchor schedule after the deepest anchor (<= 6 anchors with the root)."""
     teacher_attempts: int = 2
     """Teacher attempts per anchor (so <= 2 x 6 = 12 per group)."""
     discovery_rollouts: int = 2

@@ -83,7 +83,11 @@ class AgentDataModule(RolloutDataModule):
         group_size: episodes per task (G).
         engine: sampling settings of the student.
         val_temperature: sampling temperature of evaluation episodes (0 = greedy).
-        advantage / adv_eps / reward_tol / adv_tol: as in RLVRDataModule.
+        val_batch_size: evaluation episodes per batch.
+        advantage: ``grpo`` (std-normalised), ``drgrpo`` (no std) or ``rloo``.
+        adv_eps: epsilon of the std normalisation.
+        reward_tol: zero-signal test: a group's rewards differ by at most this (SPEC §1).
+        adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
         max_prompt_tokens: longer prompts keep their last tokens.
         seed: seed of task order and of every sampling stream.
     """
@@ -257,7 +261,11 @@ class AgentDataModule(RolloutDataModule):
 class EnvScoreMetrics(Callback):
     """``<prefix>/<env>_score`` = 100 x mean score and ``<prefix>/<env>_success`` = 100 x fraction
     with score 1 over evaluation episodes (``val`` in fit, ``eval`` in test), for environments
-    that grade episodes (WebShop's Score and Succ., SPEC §2.6). Added by ``AgentDataModule``."""
+    that grade episodes (WebShop's Score and Succ., SPEC §2.6). Added by ``AgentDataModule``.
+
+    Args:
+        env_name: the environment's name, used in the metric names.
+    """
 
     def __init__(self, env_name: str) -> None:
         self.env_name = env_name

@@ -80,7 +80,20 @@ class StepBatches:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Task lists per split, index dataloaders, the engine on the live policy."""
+    """Task lists per split, index dataloaders, the engine on the live policy.
+
+    Args:
+        tasks_per_step: tasks (prompts) per rollout batch.
+        engine: sampling settings of training rollouts.
+        val_batch_size: evaluation tasks per batch.
+        seed: seed of the task order and of every sampling stream.
+        group_size: samples (episodes) per task, G / n.
+        advantage: ``grpo`` (std-normalised), ``drgrpo`` (no std) or ``rloo``.
+        adv_eps: epsilon of the std normalisation.
+        reward_tol: zero-signal test: a group's rewards differ by at most this (SPEC §1).
+        adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
+        tasks_key: the subclass's name of ``tasks_per_step`` in error messages.
+    """
 
     def __init__(
         self,

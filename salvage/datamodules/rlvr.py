@@ -34,13 +34,16 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         prompts_per_step: prompts per rollout batch (per rank).
         group_size: samples per prompt (G / n).
         engine: sampling settings for training rollouts.
-        val / test: one or several benchmarks (a list: the evaluation harness; each gets
-            ``val/success/<name>`` = pass@1 and ``val/aggregate`` = their unweighted mean).
-        val_temperature / val_top_p / val_samples: evaluation sampling (pass@1 over samples;
-            SPEC §3.4: 0.6, 0.95, 8).
+        val_temperature: evaluation sampling temperature (SPEC §3.4: 0.6). A list of
+            benchmarks in ``val`` / ``test`` is the evaluation harness: each gets
+            ``val/success/<name>`` = pass@1 and ``val/aggregate`` = their unweighted mean.
+        val_top_p: evaluation nucleus sampling (SPEC §3.4: 0.95).
+        val_samples: evaluation samples per problem; pass@1 is their mean (SPEC §3.4: 8).
+        val_batch_size: evaluation prompts per batch.
         advantage: ``grpo`` (std-normalised), ``drgrpo`` (no std) or ``rloo``.
         adv_eps: epsilon of the std normalisation.
-        reward_tol / adv_tol: tolerances of the zero-signal test (SPEC §1).
+        reward_tol: zero-signal test: a group's rewards differ by at most this (SPEC §1).
+        adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
         max_prompt_tokens: longer prompts keep their last tokens (counted).
         reward: the verifier; default math-verify on the last \\boxed{}.
         seed: seed of the task order and of every sampling stream.

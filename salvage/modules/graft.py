@@ -59,14 +59,24 @@ class GRAFTModule(L.LightningModule):
     """Two-model co-training with trajectory exchange.
 
     Args:
-        policy_a / policy_b: the two models (different sizes and tokenizers allowed).
-        lr / lr_b: learning rates (``lr_b`` None: same as ``lr``).
-        num_minibatches, micro_batch_size, clip_eps_low, clip_eps_high, loss_agg, kl_coef,
-            max_grad_norm, weight_decay: as GRPOModule, for both policies.
+        policy_a: model A (sizes and tokenizers of A and B may differ).
+        policy_b: model B.
+        lr: learning rate of A (and of B unless ``lr_b``).
+        lr_b: learning rate of B (None: same as ``lr``).
+        weight_decay: AdamW weight decay, both policies.
+        num_minibatches: optimiser steps per rollout batch, both policies (GRAFT: 4).
+        micro_batch_size: sequences per forward/backward, both policies.
+        clip_eps_low: lower clip of the token ratio, both policies.
+        clip_eps_high: upper clip of the token ratio, both policies.
+        loss_agg: ``token-mean`` (GRAFT) or ``seq-mean-token-mean``.
+        kl_coef: KL weight to each policy's frozen reference (0: no reference loaded).
+        max_grad_norm: gradient clipping by global norm, per policy (0 disables).
         exchange: False turns GRAFT into two independent GRPO runs (baseline).
-        balance / rho: direction balancing (``min_ratio``, ours, or ``none``).
-        delta / gate / floor: compatibility weighting (``gate=False``: w = 1;
-            ``floor=False``: w = min(s, 1)).
+        balance: direction balancing: ``min_ratio`` (ours, SPEC 3.1) or ``none``.
+        rho: ``min_ratio`` balancing: a direction transfers at most ``ceil(rho * max(m_other, 1))``.
+        delta: compatibility gate threshold: a peer response counts only if ``s > delta`` (0.8).
+        gate: apply the gate (False: every peer response weighs w = 1).
+        floor: zero the weights under the gate (False: w = min(s, 1) for every response).
         order: ``peer-last`` (default), ``peer-first`` or ``uniform`` (the peer-last
             minibatches in an order shuffled every step) minibatch order.
         selection: ``complementary`` (GRAFT) or ``random`` (count-matched random prompts:
@@ -96,10 +106,11 @@ class GRAFTModule(L.LightningModule):
             HACPO's peer responses keep their advantage only on the prompts GRAFT's
             complementary, balanced selection picks (0 elsewhere); SGT's NLL term only on
             those prompts. Off: the baselines' own prompt rules.
-        hacpo_clip_low / hacpo_clip_high: HACPO's sequence-level clip deltas of the
-            receiver's own responses (3e-4 / 4e-4, the GRAFT paper's Appendix B).
-        hacpo_peer_low / hacpo_peer_ramp: HACPO's peer-ratio lower bound at step 0 and its
-            rise per step (0.8, 0.025; not capped).
+        sgt_weight: SGT baseline: weight of the NLL term on a correct peer response (0.1).
+        hacpo_clip_low: HACPO: lower sequence-level clip delta of own responses (3e-4).
+        hacpo_clip_high: HACPO: upper sequence-level clip delta of own responses (4e-4).
+        hacpo_peer_low: HACPO: the peer-ratio lower bound at step 0 (0.8).
+        hacpo_peer_ramp: HACPO: the lower bound's rise per step (0.025; not capped).
         hacpo_peer_high: an upper bound on HACPO's peer ratio (None: none, as the GRAFT
             paper ran HACPO; e.g. 1.0 to cap it, which also caps the rising lower bound).
         seed: seed of the balancing and ordering streams.

@@ -95,19 +95,23 @@ class NonFiniteLossError(RuntimeError):
 
 
 class GRPOModule(L.LightningModule):
-    METRICS: tuple[str, ...] = TRAIN_METRICS
-
     """GRPO / Dr. GRPO / RLOO policy update with asymmetric clipping and optional k3 KL.
 
     Args:
         policy: which model to train (``tiny``, ``smollm2-135m-instruct``, a path, a hub id).
-        lr / weight_decay / betas: AdamW.
+        lr: AdamW learning rate (peak, after warm-up).
+        weight_decay: AdamW decoupled weight decay.
+        betas: AdamW (beta1, beta2).
         lr_schedule: ``constant``, ``linear`` or ``cosine`` decay after ``warmup_steps``
             (in RL updates) down to ``min_lr_ratio * lr`` at ``trainer.max_steps``.
+        warmup_steps: RL updates of linear learning-rate warm-up from 0.
+        min_lr_ratio: the decayed learning rate's floor, as a fraction of ``lr``.
         num_minibatches: optimiser steps per rollout batch (one epoch over the batch).
         micro_batch_size: sequences per forward/backward (gradient accumulation inside a
             minibatch; the loss normalisation is over the whole minibatch).
-        clip_eps_low / clip_eps_high: asymmetric clip range (DAPO defaults 0.2 / 0.28).
+        clip_eps_low: lower clip of the token ratio, ``1 - clip_eps_low`` (0.2).
+        clip_eps_high: upper clip of the token ratio, ``1 + clip_eps_high`` (DAPO 0.28;
+            standard GRPO 0.2).
         loss_agg: ``token-mean`` (default) or ``seq-mean-token-mean``.
         kl_coef: eta; 0 skips loading the reference model entirely.
         max_grad_norm: gradient clipping by global norm (0 disables).
@@ -119,6 +123,8 @@ class GRPOModule(L.LightningModule):
             ``ModelParallelStrategy`` (mixed precision, activation checkpointing,
             offloading); ignored by other strategies.
     """
+
+    METRICS: tuple[str, ...] = TRAIN_METRICS
 
     def __init__(
         self,

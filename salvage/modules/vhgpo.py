@@ -42,7 +42,9 @@ class VHGPOModule(GRPOModule):
 
     Args:
         beta: preference strength of the pair objective.
-        lambda_pair / lambda_bridge / lambda_resume: weights of the three objectives (ours: 1.0).
+        lambda_pair: weight of the action-preference (pair) objective (ours: 1.0; 0 ablates it).
+        lambda_bridge: weight of the teacher-bridge objective (ours: 1.0; 0 ablates it).
+        lambda_resume: weight of the student-resume objective (ours: 1.0; 0 ablates it).
         clip_eps_high: upper clip (standard GRPO: 0.2, symmetric; DAPO-style: 0.28).
         loss_agg: ``seq-mean-token-mean`` (standard GRPO, default) or ``token-mean`` (DAPO).
         **kwargs: every other GRPOModule argument.

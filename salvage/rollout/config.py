@@ -17,8 +17,11 @@ class EngineConfig:
     backend: str = "hf"
     """``hf`` (transformers generate; CPU and tests) or ``vllm`` (GPU, extra ``gpu``)."""
     temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set with this much probability (1: off)."""
     max_new_tokens: int = 256
+    """Cap on generated tokens per response (per turn for agents)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation of a sample ends once its text contains one (kept)."""
     batch_size: int = 64
@@ -35,6 +38,7 @@ class EngineConfig:
     vllm_max_model_len: int | None = None
     """vllm: context length (prompt + response); None: the model's."""
     vllm_dtype: str = "bfloat16"
+    """vLLM: the engine's weight dtype (the trained policy keeps its own)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -144,7 +144,9 @@ class MathData:
     limit: int | None = None
     """Keep only the first ``limit`` tasks (a slice for quick runs)."""
     problem_key: str = "problem"
+    """The row field holding the problem text (``question`` is tried when it is absent)."""
     answer_key: str = "answer"
+    """The row field holding the reference answer (a ``solution``'s last ``\\boxed{}`` otherwise)."""
     add_suffix: bool = True
     """Append SPEC's "Let's think step by step ... \\boxed{}." to problems lacking it."""
     rg_kwargs: dict[str, Any] = field(default_factory=dict)
