@@ -31,9 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
@@ -48,7 +48,6 @@ from salvage.checkpointing import (  # noqa: E402
 )
 from salvage.errors import ConfigError, SalvageError  # noqa: E402
 from salvage.loggers import SafeCSVLogger  # noqa: E402
-
 
 # dataclass fields document themselves with a string under the field: show it in --help
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
