@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
@@ -174,6 +174,12 @@ class SalvageCLI(LightningCLI):
                 ModelCheckpoint(save_last=True, every_n_train_steps=1, save_top_k=0),
             ]
         callbacks = [*callbacks, RunConfigRecorder(getattr(self, "_run_config_yaml", ""))]
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in cbs
+        ):
+            from salvage.progress import update_progress_bar
+
+            callbacks = [*callbacks, update_progress_bar()]
         plugins = config.get("plugins")
         plugins = [] if plugins is None else plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
@@ -276,11 +282,37 @@ def _run(argv: list[str], from_sys_argv: bool = False) -> None:
     )
 
 
+def quiet_third_parties() -> None:
+    """Silence what other libraries print that a salvage user cannot act on: Lightning's
+    start-up info and tips, deprecation and "possible user" warnings, transformers' weight
+    loading bars. ``--verbose`` keeps them."""
+    import logging
+    import warnings
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", module=r"lightning(\..*)?$")
+    warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|LitLogger).*")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
 def main(args: list[str] | None = None) -> None:
-    """Run a subcommand; a user error is one line on stderr (exit 2), ``--debug`` re-raises."""
+    """Run a subcommand; a user error is one line on stderr (exit 2), ``--debug`` re-raises,
+    ``--verbose`` keeps third-party messages (silenced by default)."""
     argv = sys.argv[1:] if args is None else list(args)
     debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
+    verbose = "--verbose" in argv or debug
+    argv = [a for a in argv if a not in ("--debug", "--verbose")]
+    if not verbose:
+        quiet_third_parties()
     if debug:
         before = os.environ.get("JSONARGPARSE_DEBUG")
         os.environ["JSONARGPARSE_DEBUG"] = "true"  # parse errors with their traceback too

@@ -64,3 +64,41 @@ def stage(
 
         bar.advance = advance  # type: ignore[method-assign]
         yield bar
+
+
+def update_progress_bar() -> Any:
+    """Lightning's rich step bar counting RL updates: ``updates 3/20`` across epochs and resumes
+    (one epoch is one pass over the task list, which says nothing to an RL user)."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    class UpdateProgressBar(RichProgressBar):
+        """The trainer's progress bar as updates done / ``trainer.max_steps``."""
+
+        def _get_train_description(self, current_epoch: int) -> str:
+            return "updates"
+
+        @property
+        def total_train_batches(self) -> int | float:
+            steps = self.trainer.max_steps
+            return steps if steps and steps > 0 else super().total_train_batches
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.is_disabled:
+                return
+            if self.progress is not None and self.train_progress_bar_id is None:
+                self.train_progress_bar_id = self._add_task(
+                    self.total_train_batches, self._get_train_description(0)
+                )
+                self._update(self.train_progress_bar_id, trainer.global_step)
+            self.refresh()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if self.is_disabled:
+                return
+            if self.train_progress_bar_id is None:
+                self._initialize_train_progress_bar_id()
+            self._update(self.train_progress_bar_id, trainer.global_step)
+            self._update_metrics(trainer, pl_module)
+            self.refresh()
+
+    return UpdateProgressBar()

@@ -199,6 +199,7 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
         "float32",
         "--trainer.default_root_dir",
         str(tmp_path),
+        "--verbose",  # Lightning's "Restored all states" is an info message
     ]
     for version, (steps, extra) in enumerate(((1, []), (2, ["--ckpt_path", "last"]))):
         proc = subprocess.run(
