@@ -1,9 +1,9 @@
 """TRL side of ``benchmarks/vs_trl.py``: a few GRPO steps of TRL's ``GRPOTrainer``, timed.
 
-Runs in TRL's own virtual environment (``/work/trl-venv``), started by ``vs_trl.py`` with
+Runs in TRL's own virtual environment (``.trl-venv``), started by ``vs_trl.py`` with
 a JSON spec; writes one JSON result. Not meant to be run by hand.
 
-    /work/trl-venv/bin/python benchmarks/_trl_side.py SPEC.json OUT.json
+    .trl-venv/bin/python benchmarks/_trl_side.py SPEC.json OUT.json
 
 What is timed (one "RL step" = one generation batch of P prompts x G completions and the
 optimiser steps TRL takes on it, ``steps_per_generation`` of them):

@@ -1,9 +1,9 @@
 """salvage's GRPO loop vs TRL's ``GRPOTrainer``: rollout and update throughput, step time.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/vs_trl.py \
-        [--trl-python /work/trl-venv/bin/python] [--models tiny smollm2-135m-instruct] [--rounds 2]
+        [--trl-python .trl-venv/bin/python] [--models tiny smollm2-135m-instruct] [--rounds 2]
 
-TRL lives in its own virtual environment (``python3 -m venv /work/trl-venv``, then
+TRL lives in its own virtual environment (``python3 -m venv .trl-venv``, then
 ``pip install torch==2.13.0 trl math-verify`` and ``pip install --no-deps -e .`` for the
 shared reward code); this script runs each side in a fresh subprocess, salvage's in this
 interpreter and TRL's in ``--trl-python`` (``benchmarks/_trl_side.py``), alternately
@@ -266,7 +266,7 @@ def main() -> None:
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--models", nargs="+", default=list(SETTINGS))
-    ap.add_argument("--trl-python", default="/work/trl-venv/bin/python")
+    ap.add_argument("--trl-python", default=".trl-venv/bin/python")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-6)
