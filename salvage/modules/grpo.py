@@ -23,14 +23,13 @@ import lightning as L
 import torch
 
 from salvage.core.evaluation import repeat_metrics
-from salvage.core.graft import luffy_token_loss, sequence_clipped_loss
 from salvage.core.grpo import (
     AGGREGATIONS,
     aggregation_denominator,
     aggregation_weights,
-    clipped_surrogate,
     kl_k3,
 )
+from salvage.core.policy_loss import LossInputs, row_policy_loss
 from salvage.distributed import (
     FSDPConfig,
     all_reduce,
@@ -85,7 +84,7 @@ class _Row:
     weight: float
     seq: int
     peer: bool = False
-    luffy: bool = False
+    loss: str = "clip"  # the registered policy loss of its tokens (salvage.core.policy_loss)
     # sequence-level ratio (HACPO rows, Table 2a's variant): (reference mean log-prob, low, high)
     seq_ratio: tuple[float, float, float] | None = None
 
@@ -307,7 +306,7 @@ class GRPOModule(L.LightningModule):
                         weight=traj.weight,
                         seq=seq,
                         peer=traj.source != "self",
-                        luffy=traj.info.get("loss") == "luffy",
+                        loss=_loss_kind(traj.info),
                         seq_ratio=_seq_ratio(traj.info.get("seq_ratio")),
                     )
                 )
@@ -543,29 +542,22 @@ class GRPOModule(L.LightningModule):
                 temperature,
                 first=min(r.start for r in part),
             )
-            loss_tok, ratio, clipped = clipped_surrogate(
-                lp, tb.old_logprobs, tb.advantages, hp.clip_eps_low, hp.clip_eps_high
+            # each row's tokens take its registered policy loss (clip, luffy, sequence, ...)
+            seq = [r.seq_ratio or (0.0, 0.0, math.inf) for r in part]
+            has_seq = any(r.seq_ratio is not None for r in part)
+            inputs = LossInputs(
+                logprobs=lp,
+                old_logprobs=tb.old_logprobs,
+                advantages=tb.advantages,
+                mask=tb.response_mask,
+                eps_low=hp.clip_eps_low,
+                eps_high=hp.clip_eps_high,
+                seq_ref=torch.tensor([x[0] for x in seq], device=lp.device) if has_seq else None,
+                seq_low=torch.tensor([x[1] for x in seq], device=lp.device) if has_seq else None,
+                seq_high=torch.tensor([x[2] for x in seq], device=lp.device) if has_seq else None,
             )
-            if any(
-                r.luffy for r in part
-            ):  # LUFFY-style peer tokens (GRAFT baseline): f(p) A, no ratio
-                lm = torch.tensor([r.luffy for r in part], device=lp.device)[:, None]
-                loss_tok = torch.where(lm, luffy_token_loss(lp, tb.advantages), loss_tok)
-                clipped = torch.where(lm, torch.zeros_like(clipped), clipped)
-            if any(r.seq_ratio is not None for r in part):
-                # sequence-level ratio rows (HACPO, Table 2a): core.graft.sequence_clipped_loss
-                sr = [r.seq_ratio or (0.0, 0.0, math.inf) for r in part]
-                sm = torch.tensor([r.seq_ratio is not None for r in part], device=lp.device)
-                s_loss, s_clip = sequence_clipped_loss(
-                    lp,
-                    tb.response_mask,
-                    torch.tensor([x[0] for x in sr], device=lp.device),
-                    tb.advantages,
-                    torch.tensor([x[1] for x in sr], device=lp.device),
-                    torch.tensor([x[2] for x in sr], device=lp.device),
-                )
-                loss_tok = torch.where(sm[:, None], s_loss, loss_tok)
-                clipped = torch.where(sm[:, None], s_clip, clipped)
+            loss_tok, clipped = row_policy_loss([r.loss for r in part], inputs)
+            ratio = torch.exp(lp - tb.old_logprobs).detach()
             aw = torch.zeros_like(lp)
             for i, r in enumerate(part):
                 aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
@@ -807,6 +799,14 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
 
 def _is_bench_mean(key: str, prefix: str) -> bool:
     return key.startswith(f"{prefix}/success/") and not key.endswith("_std")
+
+
+def _loss_kind(info: dict[str, Any]) -> str:
+    """A trajectory's policy loss: ``info["loss"]`` if set, ``sequence`` for a row with a
+    sequence-level ratio (HACPO, Table 2a), else the clipped token surrogate."""
+    if info.get("loss"):
+        return str(info["loss"])
+    return "sequence" if info.get("seq_ratio") is not None else "clip"
 
 
 def _seq_ratio(value: Any) -> tuple[float, float, float] | None:
