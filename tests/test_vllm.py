@@ -12,6 +12,14 @@ OK, WHY = vllm_available()
 needs_vllm = pytest.mark.skipif(not OK, reason=f"vLLM engine cannot run here: {WHY}")
 
 
+@pytest.fixture
+def tiny64():
+    """``tiny`` with 4 heads of size 64, a size every vLLM attention backend takes (FlashInfer: 64+)."""
+    from salvage.models import PolicySpec, load_policy
+
+    return load_policy(PolicySpec("tiny", hidden_size=256))
+
+
 def test_backend_vllm_fails_clearly_without_a_gpu(tiny):
     model, tok = tiny
     if OK:
@@ -37,10 +45,10 @@ def test_weight_stream_is_every_parameter_once(tiny):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny):
+def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny64):
     from salvage.lm import response_logprobs
 
-    model, tok = tiny
+    model, tok = tiny64
     model = model.cuda()
     eng = build_engine(
         EngineConfig(backend="vllm", max_new_tokens=16, stop=["</action>"], temperature=1.0),
@@ -67,8 +75,25 @@ def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_resyncs_weights_after_an_update(tiny):
-    model, tok = tiny
+def test_vllm_greedy_gives_n_copies_and_first_prepare_syncs(tiny64):
+    model, tok = tiny64
+    model = model.cuda()
+    with torch.no_grad():  # the live model differs from what vLLM loads from disk
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+    eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=8, temperature=0.0), model, tok)
+    prompt = [tok("go north", add_special_tokens=False)["input_ids"]]
+    eng.prepare()
+    out = eng.generate(prompt, n=3)[0]
+    assert len(out) == 3 and len({tuple(s.response_ids) for s in out}) == 1
+    hf = build_engine(EngineConfig(backend="hf", max_new_tokens=8, temperature=0.0), model, tok)
+    assert out[0].response_ids == hf.generate(prompt, n=1)[0][0].response_ids
+    eng.release()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_resyncs_weights_after_an_update(tiny64):
+    model, tok = tiny64
     model = model.cuda()
     eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=8, temperature=0.0), model, tok)
     prompt = [tok("go north", add_special_tokens=False)["input_ids"]]
