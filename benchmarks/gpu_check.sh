@@ -3,8 +3,9 @@
 # (gpu_check.py), then the vLLM engine checks, one PASS/FAIL line each (gpu_check_vllm.py:
 # vLLM's log-probs against the policy's, seeded sampling, weight sync through sleep/wake, three
 # engines in one process, 3 updates of GRPO, VH-GPO and GRAFT with backend vllm). No internet:
-# random-init models. Budget: under 8 minutes on one GPU (4 + 4). Extra arguments go to
-# gpu_check.py (e.g. --peak-tflops 989); --smoke-cpu goes to both.
+# random-init models. Budget: under 8 minutes on one GPU (200 s + 280 s; override with
+# GPU_CHECK_UPDATE_S / GPU_CHECK_VLLM_S). Extra arguments go to gpu_check.py (e.g.
+# --peak-tflops 989); --smoke-cpu goes to both.
 #   bash benchmarks/gpu_check.sh            # on a GPU machine with salvage[gpu] installed
 #   bash benchmarks/gpu_check.sh --smoke-cpu   # tiny shapes on CPU: checks the scripts only
 set -euo pipefail
@@ -17,6 +18,6 @@ SMOKE=()
 for a in "$@"; do [ "$a" = "--smoke-cpu" ] && SMOKE=(--smoke-cpu); done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 rc=0
-timeout 240 "$PY" benchmarks/gpu_check.py "$@" || rc=$?
-timeout 240 "$PY" benchmarks/gpu_check_vllm.py "${SMOKE[@]}" || rc=$?
+timeout "${GPU_CHECK_UPDATE_S:-200}" "$PY" benchmarks/gpu_check.py "$@" || rc=$?
+timeout "${GPU_CHECK_VLLM_S:-280}" "$PY" benchmarks/gpu_check_vllm.py ${SMOKE[@]+"${SMOKE[@]}"} || rc=$?
 exit $rc

@@ -43,6 +43,18 @@ def test_weight_stream_is_every_parameter_once(tiny):
     assert model_version(torch.nn.Linear(1, 1)) == 0
 
 
+def test_engine_backend_starts_unsynced_and_level_0_never_sleeps(tiny):
+    from salvage.rollout.vllm import _Backend
+
+    model, _ = tiny
+    model._salvage_version = 4  # a resumed policy
+    trainable = _Backend(llm=None, model=model, sleep_level=0, frozen=False)
+    assert trainable.needs_sync()  # the first prepare() loads the live weights
+    trainable.release()  # level 0: no llm.sleep call (vLLM's level 0 pauses scheduling)
+    assert not trainable.asleep
+    assert not _Backend(llm=None, model=model, sleep_level=0, frozen=True).needs_sync()
+
+
 @pytest.mark.vllm
 @needs_vllm
 def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny64):

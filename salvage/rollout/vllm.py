@@ -71,7 +71,10 @@ vLLM source read (file:line in 0.33.0 / 0.27.0, both under ``vllm/``):
   0 < temperature < 0.01 raised to 0.01; ``:615-620,769`` / ``:643`` n > 1 refused at
   temperature 0; ``v1/engine/parallel_sampling.py:80`` (both) child j seeded ``seed + j``.
 - ``v1/sample/ops/topk_topp_sampler.py:303-308`` / ``:143-148`` ``processed_logprobs`` is
-  ``log_softmax`` after ``apply_top_k_top_p`` (top-p renormalised).
+  ``log_softmax`` after ``apply_top_k_top_p`` (top-p renormalised); 0.33's model runner V2
+  (its default when Triton is present, ``config/vllm.py:731-766``) does the same
+  (``v1/worker/gpu/sample/sampler.py:173,347``) and its ``get_model()``
+  (``v1/worker/gpu/model_runner.py:568``) returns the model itself.
 """
 
 from __future__ import annotations
@@ -107,7 +110,16 @@ log = logging.getLogger(__name__)
 
 
 def import_vllm() -> Any:
-    """``import vllm`` after checking the installed version is a supported one."""
+    """``import vllm`` after checking the installed version is a supported one.
+
+    The version is read from the package metadata first, so an unsupported vllm (built
+    for another torch) fails with the supported range instead of an import error."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        check_vllm_version(version("vllm"))
+    except PackageNotFoundError:
+        pass  # not installed as a distribution: the import decides
     import vllm
 
     check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
@@ -120,10 +132,10 @@ def vllm_available() -> tuple[bool, str]:
         return False, "no CUDA device (vLLM needs a GPU)"
     try:
         import_vllm()
-    except ImportError as e:
-        if "supports" in str(e):
-            return False, str(e)
-        return False, "vllm is not installed (pip install 'salvage[gpu]')"
+    except ImportError as e:  # not installed, an unsupported version, or a broken install
+        if isinstance(e, ModuleNotFoundError) and e.name == "vllm":
+            return False, "vllm is not installed (pip install 'salvage[gpu]')"
+        return False, str(e)
     return True, ""
 
 
@@ -383,7 +395,7 @@ class VLLMEngine:
                 max_tokens=max_new,
                 stop=list(stop) or None,
                 include_stop_str_in_output=True,
-                logprobs=0,
+                logprobs=None if self.recompute_logprobs else 0,  # 0: the sampled token's
                 seed=s,
             )
             for s in request_seeds(seed, len(prompts), n_send)
