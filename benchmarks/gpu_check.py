@@ -238,7 +238,13 @@ def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
     model = model.to(DEVICE)
     prompts = [list(range(10, 10 + args.seq // 4))] * (args.rows // 4)
     rows = []
-    backends = ["hf"] + (["vllm"] if vllm_available()[0] else [])
+    ok, why = vllm_available()
+    dist = torch.distributed
+    if ok and dist.is_initialized() and dist.get_world_size() > 1:
+        # one engine per rank joins the group (external launcher): rank 0 alone would hang;
+        # the single-GPU vLLM checks are in gpu_check_vllm.py
+        ok, why = False, "several ranks (this table samples on rank 0 only)"
+    backends = ["hf"] + (["vllm"] if ok else [])
     for backend in backends:
         eng = build_engine(
             EngineConfig(
@@ -269,10 +275,10 @@ def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
         )
         if hasattr(eng, "release"):
             eng.release()
-    if not vllm_available()[0]:
+    if not ok:
         rows.append(
             {
-                "check": f"generation (vllm): skipped, {vllm_available()[1]}",
+                "check": f"generation (vllm): skipped, {why}",
                 "tokens/s": float("nan"),
                 "step_s": float("nan"),
                 "MFU": float("nan"),

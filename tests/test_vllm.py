@@ -12,6 +12,14 @@ OK, WHY = vllm_available()
 needs_vllm = pytest.mark.skipif(not OK, reason=f"vLLM engine cannot run here: {WHY}")
 
 
+@pytest.fixture
+def tiny64():
+    """``tiny`` with 4 heads of size 64, a size every vLLM attention backend takes (FlashInfer: 64+)."""
+    from salvage.models import PolicySpec, load_policy
+
+    return load_policy(PolicySpec("tiny", hidden_size=256))
+
+
 def test_backend_vllm_fails_clearly_without_a_gpu(tiny):
     model, tok = tiny
     if OK:
@@ -35,12 +43,24 @@ def test_weight_stream_is_every_parameter_once(tiny):
     assert model_version(torch.nn.Linear(1, 1)) == 0
 
 
+def test_engine_backend_starts_unsynced_and_level_0_never_sleeps(tiny):
+    from salvage.rollout.vllm import _Backend
+
+    model, _ = tiny
+    model._salvage_version = 4  # a resumed policy
+    trainable = _Backend(llm=None, model=model, sleep_level=0, frozen=False)
+    assert trainable.needs_sync()  # the first prepare() loads the live weights
+    trainable.release()  # level 0: no llm.sleep call (vLLM's level 0 pauses scheduling)
+    assert not trainable.asleep
+    assert not _Backend(llm=None, model=model, sleep_level=0, frozen=True).needs_sync()
+
+
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny):
+def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny64):
     from salvage.lm import response_logprobs
 
-    model, tok = tiny
+    model, tok = tiny64
     model = model.cuda()
     eng = build_engine(
         EngineConfig(backend="vllm", max_new_tokens=16, stop=["</action>"], temperature=1.0),
@@ -67,8 +87,33 @@ def test_vllm_samples_n_per_prompt_with_stop_and_exact_logprobs(tiny):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_vllm_resyncs_weights_after_an_update(tiny):
-    model, tok = tiny
+def test_vllm_first_prepare_syncs_the_live_model_and_greedy_gives_n_copies(tiny64, tmp_path):
+    from salvage.rollout.hf import HFEngine
+
+    model, tok = tiny64
+    model.save_pretrained(tmp_path)  # the checkpoint vLLM loads
+    tok.save_pretrained(tmp_path)
+    model.config._name_or_path = str(tmp_path)
+    model = model.cuda()
+    prompt = [tok("go north", add_special_tokens=False)["input_ids"]]
+    hf = HFEngine(model, tok, max_new_tokens=8, temperature=0.0)
+    on_disk = hf.generate(prompt, n=1)[0][0].response_ids
+    with torch.no_grad():  # a warm start changed the live model; its version is still 0
+        model.model.norm.weight.neg_()
+    live = hf.generate(prompt, n=1)[0][0].response_ids
+    assert on_disk[:2] != live[:2]
+    eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=8, temperature=0.0), model, tok)
+    eng.prepare()
+    out = eng.generate(prompt, n=3)[0]
+    assert len(out) == 3 and len({tuple(s.response_ids) for s in out}) == 1
+    assert out[0].response_ids[:2] == live[:2]  # bf16 vs fp32: compare the first tokens only
+    eng.release()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_resyncs_weights_after_an_update(tiny64):
+    model, tok = tiny64
     model = model.cuda()
     eng = build_engine(EngineConfig(backend="vllm", max_new_tokens=8, temperature=0.0), model, tok)
     prompt = [tok("go north", add_special_tokens=False)["input_ids"]]

@@ -32,13 +32,17 @@ class EngineConfig:
     """vllm: fraction of the GPU the engine may take while awake (GRAFT runs two)."""
     vllm_sleep_level: int = 1
     """vllm: between rollout phases 1 offloads weights to CPU, 2 discards them (re-synced
-    from the policy), 0 never sleeps."""
+    from the policy), 0 never sleeps. Only one engine per process can sleep (the first
+    trainable policy's); the others run at 0 within their memory share."""
     vllm_recompute_logprobs: bool = True
-    """vllm: behaviour log-probs from the training policy (exact ratio 1) instead of vLLM's."""
+    """vllm: behaviour log-probs from the training policy (exact ratio 1) instead of vLLM's
+    (those need top_p = 1)."""
     vllm_max_model_len: int | None = None
     """vllm: context length (prompt + response); None: the model's."""
     vllm_dtype: str = "bfloat16"
-    """vLLM: the engine's weight dtype (the trained policy keeps its own)."""
+    """vllm: the engine's weight dtype (the weights are cast to it at every sync)."""
+    vllm_enforce_eager: bool = False
+    """vllm: no CUDA graphs / compilation (faster start, slower decoding; quick checks)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -60,6 +64,10 @@ class EngineConfig:
             raise ValueError(
                 f"engine.vllm_sleep_level must be 0, 1 or 2, got {self.vllm_sleep_level}"
             )
+        if self.backend == "vllm":
+            from salvage.rollout.vllm_rules import check_vllm_sampling
+
+            check_vllm_sampling(self.temperature, self.top_p, self.vllm_recompute_logprobs)
 
 
 def build_engine(
@@ -82,6 +90,7 @@ def build_engine(
             recompute_logprobs=cfg.vllm_recompute_logprobs,
             max_model_len=cfg.vllm_max_model_len,
             dtype=cfg.vllm_dtype,
+            enforce_eager=cfg.vllm_enforce_eager,
             frozen=frozen,
         )
     if cfg.backend == "hf":

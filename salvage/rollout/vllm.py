@@ -1,32 +1,87 @@
 """Rollout engine on vLLM (extra ``gpu``; imported lazily): colocated with training.
 
-``engine.backend: vllm`` picks it; the HF engine stays the CPU path. One ``vllm.LLM``
-per policy lives in the trainer's process (GRAFT builds two; a VH-GPO LM teacher gets its
-own through ``teacher.engine``), on the same GPU as the training shard:
+``engine.backend: vllm`` picks it; the HF engine stays the CPU path. The engines live in
+the trainer's process, on the same GPU as the training shard. Supported: vLLM 0.27 to
+0.33 (``vllm>=0.27,<0.34``); **this path has not run on a GPU in this project yet**:
+every vLLM call below was checked by reading vLLM's source, not by running it.
 
-- **Memory.** Built with ``enable_sleep_mode``; after every ``generate`` it sleeps
-  (level 1: weights to CPU, KV cache freed; level 2: both freed) so training has the
-  memory, and wakes before the next one.
-- **Weights.** After every update the trained policy's parameters are streamed into the
-  engine one tensor at a time (``model.load_weights``): a sharded (FSDP2) parameter is
-  all-gathered alone (``DTensor.full_tensor``), handed over and freed, so no rank ever
-  builds a second full copy of the model besides vLLM's own. Every rank calls
-  ``prepare()`` at the start of each rollout phase (the per-tensor all-gathers are
-  collectives), which syncs when the policy's version changed.
-- **Sampling.** n samples per prompt, seeds, temperature / top-p / max tokens, stop
-  strings (kept in the text, like the HF engine), token ids in and out.
+- **In process.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before the first ``LLM()``
+  (a user setting of 1 is refused): only then does the engine core, its executor and the
+  worker holding the model live in this process.
+- **Memory.** At most one engine per process uses vLLM's sleep mode (its allocator is a
+  per-process singleton): the first trainable policy's. It sleeps after every rollout
+  phase (level 1: weights to CPU, KV cache freed; level 2: both freed, weights re-synced)
+  and wakes before the next. Every other engine (GRAFT's second policy, an LM teacher)
+  runs at sleep level 0 inside its own ``gpu_memory_utilization``. Engines for the same
+  live model with the same engine settings share one ``LLM`` (evaluation reuses the
+  training engine with its own sampling settings).
+- **Weights.** A trainable policy's engine syncs at its first ``prepare()`` (vLLM loaded
+  the checkpoint on disk, not the live model) and whenever the policy's version changed
+  or a level-2 sleep discarded the weights. The parameters are streamed into the worker's
+  model through ``LLM.apply_model`` (one ``load_weights`` call consuming a generator): a
+  sharded (FSDP2) parameter is all-gathered alone (``DTensor.full_tensor``), copied and
+  freed, so no rank builds a second full copy besides vLLM's own. Every rank calls
+  ``prepare()`` at the start of each rollout phase (the all-gathers are collectives).
+- **Ranks.** With more than one training rank, one engine per rank joins the live
+  process group through vLLM's ``external_launcher`` (``RANK`` / ``LOCAL_RANK`` set from
+  the group and the rank's CUDA device); with one rank, vLLM's in-process executor.
+- **Sampling.** n samples per prompt; request seeds spaced by n (vLLM seeds sample j
+  with ``seed + j``); greedy asks for one sample and copies it n times; temperature in
+  [0, 2] (not in (0, 0.01)); stop strings kept in the text; token ids in and out.
 - **Log-probs.** By default recomputed with the training policy at the sampling
-  temperature (``recompute_logprobs``: exactly what the update's ratio divides by, so
-  the first ratio is 1, as with the HF engine); otherwise vLLM's own sampled-token
-  log-probs after temperature (``logprobs_mode="processed_logprobs"``).
+  temperature (``recompute_logprobs``: exactly what the update's ratio divides by);
+  otherwise vLLM's sampled-token log-probs after temperature
+  (``logprobs_mode="processed_logprobs"``), refused with top_p < 1 (renormalised over
+  the nucleus, so the first ratio would not be 1).
+- **RNG.** Building an engine reseeds Python, NumPy, torch and CUDA; the states are put
+  back after every vLLM call that may touch them.
 
-Status: this path is type-checked and its tests skip without CUDA and vllm; it has not
-been run on a GPU in this project yet (no GPU was available to the sessions that wrote it).
+vLLM source read (file:line in 0.33.0 / 0.27.0, both under ``vllm/``):
+
+- ``envs.py:1444`` / same key: ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to 1, read as
+  ``bool(int(...))``; ``v1/engine/core.py:248`` / ``:247`` ``enable_envs_cache()`` freezes
+  all variables once an engine core exists (so it is set before the first ``LLM()``).
+- ``v1/engine/llm_engine.py:170,186`` / ``:157,174``: multiprocess mode from that variable;
+  ``:138`` / ``:125`` ``model_executor`` exists only in process.
+- ``entrypoints/llm.py:604`` / ``:595`` ``LLM.apply_model(func)`` ->
+  ``v1/engine/llm_engine.py:503`` / ``:435`` ``collective_rpc("apply_model", (func,))`` ->
+  ``v1/executor/uniproc_executor.py`` ``collective_rpc`` runs it on the in-process
+  ``WorkerWrapperBase`` (``v1/worker/worker_base.py:370`` forwards to the worker) ->
+  ``worker_base.py:165`` / ``:128`` ``fn(self.get_model())`` ->
+  ``v1/worker/gpu_model_runner.py:3078`` / ``:3343`` ``get_model()`` (the CUDA-graph
+  wrapper unwrapped). In process the function is called directly, not pickled.
+  ``model_executor/models/qwen2.py:519`` ``load_weights(weights: Iterable[(name, tensor)])``
+  returns the loaded names (HF names; stacked q/k/v and gate/up handled there).
+- ``entrypoints/llm.py:839`` / ``:799`` ``sleep(level)``: level 0 there means "pause
+  scheduling", so an engine at our level 0 never calls it; ``:872`` / ``:824``
+  ``wake_up(tags=None)``; ``:832`` / ``:792`` ``reset_prefix_cache()``.
+- ``v1/worker/gpu_worker.py:413-416`` / ``:273-275``: a second sleep-mode engine fails with
+  "CuMem allocator can only be used for one instance per process";
+  ``device_allocator/cumem.py:112-127`` the allocator singleton; its ``sleep`` (``:233``)
+  offloads or frees every allocation in the pool, whichever engine made it.
+- ``v1/worker/gpu_worker.py:517,1094`` / ``:388,820`` ``set_random_seed(seed)`` ->
+  ``utils/torch_utils.py:528`` / ``:404`` seeds random, numpy, torch and all CUDA devices.
+- ``v1/executor/uniproc_executor.py:77-86`` / ``:71-75``: the one-process executor
+  creates a 1-process torch.distributed group; ``:186-196`` / ``:175-185`` the external
+  launcher reads ``os.environ["RANK"]`` and ``["LOCAL_RANK"]`` and asserts
+  multiprocessing off; ``distributed/parallel_state.py:1928`` joins an initialised group
+  instead of creating one; ``v1/worker/gpu_worker.py:454,491`` the engine's device is
+  ``cuda:LOCAL_RANK`` for the external launcher.
+- ``sampling_params.py:668`` / ``:559`` temperature > 2 refused; ``:560`` / ``:458``
+  0 < temperature < 0.01 raised to 0.01; ``:615-620,769`` / ``:643`` n > 1 refused at
+  temperature 0; ``v1/engine/parallel_sampling.py:80`` (both) child j seeded ``seed + j``.
+- ``v1/sample/ops/topk_topp_sampler.py:303-308`` / ``:143-148`` ``processed_logprobs`` is
+  ``log_softmax`` after ``apply_top_k_top_p`` (top-p renormalised); 0.33's model runner V2
+  (its default when Triton is present, ``config/vllm.py:731-766``) does the same
+  (``v1/worker/gpu/sample/sampler.py:173,347``) and its ``get_model()``
+  (``v1/worker/gpu/model_runner.py:568``) returns the model itself.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -37,9 +92,38 @@ import torch
 
 from salvage.lm import response_logprobs
 from salvage.rollout.config import call_settings
+from salvage.rollout.vllm_rules import (
+    REGISTRY,
+    SyncState,
+    check_vllm_sampling,
+    check_vllm_version,
+    executor_backend,
+    launcher_env,
+    preserved_rng,
+    request_seeds,
+    require_in_process,
+    samples_to_send,
+)
 from salvage.types import Sample
 
 log = logging.getLogger(__name__)
+
+
+def import_vllm() -> Any:
+    """``import vllm`` after checking the installed version is a supported one.
+
+    The version is read from the package metadata first, so an unsupported vllm (built
+    for another torch) fails with the supported range instead of an import error."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        check_vllm_version(version("vllm"))
+    except PackageNotFoundError:
+        pass  # not installed as a distribution: the import decides
+    import vllm
+
+    check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
+    return vllm
 
 
 def vllm_available() -> tuple[bool, str]:
@@ -47,9 +131,11 @@ def vllm_available() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device (vLLM needs a GPU)"
     try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False, "vllm is not installed (pip install 'salvage[gpu]')"
+        import_vllm()
+    except ImportError as e:  # not installed, an unsupported version, or a broken install
+        if isinstance(e, ModuleNotFoundError) and e.name == "vllm":
+            return False, "vllm is not installed (pip install 'salvage[gpu]')"
+        return False, str(e)
     return True, ""
 
 
@@ -76,6 +162,125 @@ def model_version(model: torch.nn.Module) -> int:
     return int(getattr(model, "_salvage_version", 0))
 
 
+def _source(model: torch.nn.Module, tokenizer: Any) -> str:
+    """A path or hub id vLLM can build the architecture from (built-ins are saved once)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if name and (Path(name).is_dir() or "/" in name):
+        return name
+    out = Path(tempfile.mkdtemp(prefix="salvage-vllm-"))
+    state = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+        for k, v in model.state_dict().items()
+    }
+    save: Any = model.save_pretrained  # an HF PreTrainedModel
+    save(out, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+class _Backend:
+    """One ``vllm.LLM`` holding a copy of one live model, shared by that model's engines."""
+
+    def __init__(self, llm: Any, model: torch.nn.Module, sleep_level: int, frozen: bool):
+        self.llm = llm
+        self.model = model
+        self.sleep_level = sleep_level
+        self.sync = SyncState(frozen)
+        self.asleep = False
+        self.last_sync_s = 0.0
+
+    def wake(self) -> None:
+        if self.asleep:
+            with preserved_rng():
+                self.llm.wake_up()
+            self.asleep = False
+
+    def release(self) -> None:
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+            self.sync.slept(self.sleep_level)
+
+    def needs_sync(self) -> bool:
+        return self.sync.needs_sync(model_version(self.model))
+
+    def load_weights(self) -> None:
+        """Stream the live model's parameters into the worker's model (``LLM.apply_model``)."""
+        t0 = time.perf_counter()
+        stream = iter_full_parameters(self.model)
+
+        def load(vllm_model: torch.nn.Module) -> int:  # runs on the in-process worker
+            loaded = vllm_model.load_weights(weights=stream)
+            return -1 if loaded is None else len(loaded)
+
+        with preserved_rng():
+            counts = self.llm.apply_model(load)
+        if counts and counts[0] == 0:
+            raise RuntimeError("VLLMEngine: the weight sync loaded no parameter into vLLM")
+        self.llm.reset_prefix_cache()
+        self.sync.synced(model_version(self.model))
+        self.last_sync_s = time.perf_counter() - t0
+
+
+def _build_backend(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    key: tuple,
+    sleep_level: int,
+    frozen: bool,
+    gpu_memory_utilization: float,
+    recompute_logprobs: bool,
+    max_model_len: int | None,
+    dtype: str,
+    seed: int,
+    enforce_eager: bool,
+) -> _Backend:
+    require_in_process(os.environ)
+    from vllm import LLM
+
+    level = REGISTRY.sleep_level(sleep_level, frozen)
+    if level != sleep_level:
+        log.info(
+            "vLLM engine for %s runs at sleep level 0 (%s): it keeps its "
+            "gpu_memory_utilization=%.2f share during training",
+            type(model).__name__,
+            "a frozen model" if frozen else "another engine in this process uses sleep mode",
+            gpu_memory_utilization,
+        )
+    source = _source(model, tokenizer)
+    kwargs: dict[str, Any] = dict(
+        model=source,
+        tokenizer=source,
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_sleep_mode=level > 0,
+        enable_prefix_caching=True,
+        enforce_eager=enforce_eager,
+    )
+    dist = torch.distributed
+    live = dist.is_available() and dist.is_initialized()
+    backend_name = executor_backend(live, dist.get_world_size() if live else 1)
+    if backend_name is not None:
+        changed = launcher_env(os.environ, dist.get_rank(), torch.cuda.current_device())
+        for name, (old, new) in changed.items():
+            log.info("vLLM external launcher: %s=%s (was %r)", name, new, old)
+        kwargs["distributed_executor_backend"] = backend_name
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if not recompute_logprobs:
+        kwargs["logprobs_mode"] = "processed_logprobs"
+    with preserved_rng():
+        llm = LLM(**kwargs)
+    backend = _Backend(llm, model, level, frozen)
+    if level:
+        REGISTRY.claim_sleep(backend)
+    REGISTRY.add(model, key, backend)
+    backend.release()
+    return backend
+
+
 class VLLMEngine:
     """``RolloutEngine`` on a colocated ``vllm.LLM`` holding a copy of the live policy."""
 
@@ -95,6 +300,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         dtype: str = "bfloat16",
         seed: int = 0,
+        enforce_eager: bool = False,
         frozen: bool = False,
     ) -> None:
         ok, why = vllm_available()
@@ -102,8 +308,7 @@ class VLLMEngine:
             raise RuntimeError(f"engine.backend=vllm: {why}")
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"engine.vllm_sleep_level must be 0, 1 or 2, got {sleep_level}")
-        from vllm import LLM
-
+        check_vllm_sampling(temperature, top_p, recompute_logprobs)
         self.model = model
         self.tokenizer = tokenizer
         self.temperature = temperature
@@ -111,97 +316,52 @@ class VLLMEngine:
         self.max_new_tokens = max_new_tokens
         self.stop = tuple(stop)
         self.logprob_batch_size = logprob_batch_size
-        self.sleep_level = sleep_level
         self.recompute_logprobs = recompute_logprobs
         self.frozen = frozen
         if frozen and sleep_level == 2:
-            self.sleep_level = 1  # a frozen model has nothing to reload its weights from
+            sleep_level = 1  # a frozen model has nothing to reload its weights from
         self._calls = 0
         self.last_timings: dict[str, float] = {}
-        source = self._source(model, tokenizer)
-        kwargs: dict[str, Any] = dict(
-            model=source,
-            tokenizer=source,
+        key = (gpu_memory_utilization, sleep_level, recompute_logprobs, max_model_len, dtype)
+        key += (enforce_eager, frozen)
+        found = REGISTRY.find(model, key)
+        self.backend: _Backend = found or _build_backend(
+            model,
+            tokenizer,
+            key=key,
+            sleep_level=sleep_level,
+            frozen=frozen,
+            gpu_memory_utilization=gpu_memory_utilization,
+            recompute_logprobs=recompute_logprobs,
+            max_model_len=max_model_len,
             dtype=dtype,
             seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=sleep_level > 0,
-            enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
         )
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # one engine per training rank, inside the trainer's processes (TRL's "colocate")
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if not recompute_logprobs:
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        self.llm = LLM(**kwargs)
-        self._synced = model_version(model)
-        self._asleep = False
-        self._weights_lost = False
-        self.release()
+
+    @property
+    def llm(self) -> Any:
+        return self.backend.llm
+
+    @property
+    def sleep_level(self) -> int:
+        """The sleep level this engine got (0 unless it holds the process's sleep mode)."""
+        return self.backend.sleep_level
 
     # -- weights -----------------------------------------------------------------
-    @staticmethod
-    def _source(model: torch.nn.Module, tokenizer: Any) -> str:
-        """A path or hub id vLLM can build the architecture from (built-ins are saved once)."""
-        name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-        if name and (Path(name).is_dir() or "/" in name):
-            return name
-        out = Path(tempfile.mkdtemp(prefix="salvage-vllm-"))
-        state = {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-            for k, v in model.state_dict().items()
-        }
-        save: Any = model.save_pretrained  # an HF PreTrainedModel
-        save(out, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        return str(out)
-
-    def _runner_model(self) -> Any:
-        """The ``nn.Module`` inside the in-process vLLM worker (layouts differ across versions)."""
-        ex = self.llm.llm_engine.model_executor
-        worker = getattr(ex, "driver_worker", None)
-        for path in ("worker.model_runner.model", "model_runner.model"):
-            obj: Any = worker
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-            if obj is not None:
-                return obj
-        raise RuntimeError(
-            "VLLMEngine: cannot reach the vLLM worker's model to load weights; "
-            "this vLLM version is not supported (set VLLM_ENABLE_V1_MULTIPROCESSING=0)"
-        )
-
     def prepare(self) -> None:
-        """Wake the engine and sync the policy's weights if they changed or were discarded.
+        """Wake the engine and sync the policy's weights if needed (always the first time).
 
         Called by every rank at the start of a rollout phase (sharded parameters are
         gathered one at a time, each a collective)."""
-        self._wake()
-        if self.frozen or (model_version(self.model) == self._synced and not self._weights_lost):
-            return
-        runner = self._runner_model()
-        t0 = time.perf_counter()
-        for name, tensor in iter_full_parameters(self.model):
-            runner.load_weights(weights=[(name, tensor)])
-            del tensor
-        self.llm.reset_prefix_cache()
-        self._synced = model_version(self.model)
-        self._weights_lost = False
-        self.last_timings["sync_s"] = time.perf_counter() - t0
-
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        self.backend.wake()
+        if self.backend.needs_sync():
+            self.backend.load_weights()
+            self.last_timings["sync_s"] = self.backend.last_sync_s
 
     def release(self) -> None:
         """Free the engine's GPU memory for training (end of a rollout phase)."""
-        if self.sleep_level and not self._asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self._asleep = True
-            self._weights_lost = self.sleep_level == 2
+        self.backend.release()
 
     # -- sampling ----------------------------------------------------------------
     @torch.no_grad()
@@ -222,27 +382,30 @@ class VLLMEngine:
         seed, temperature, top_p, max_new, stop = call_settings(
             self, seed, temperature, top_p, max_new_tokens, stop
         )
-        if self._asleep or model_version(self.model) != self._synced:
+        check_vllm_sampling(temperature, top_p, self.recompute_logprobs)
+        if self.backend.asleep or self.backend.needs_sync():
             self.prepare()  # outside a phase (or a gathered policy): no collectives needed
         t0 = time.perf_counter()
+        n_send = samples_to_send(temperature, n)
         params = [
             SamplingParams(
-                n=n,
+                n=n_send,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new,
                 stop=list(stop) or None,
                 include_stop_str_in_output=True,
-                logprobs=0,
-                seed=(seed * 1_000_003 + i) % (2**31 - 1),
+                logprobs=None if self.recompute_logprobs else 0,  # 0: the sampled token's
+                seed=s,
             )
-            for i in range(len(prompts))
+            for s in request_seeds(seed, len(prompts), n_send)
         ]
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-        )
+        with preserved_rng():
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            )
         if self.frozen:
-            self.release()  # a teacher sleeps between its calls
+            self.release()  # a teacher sleeps between its calls (when it holds sleep mode)
         t1 = time.perf_counter()
         groups: list[list[Sample]] = []
         for prompt, out in zip(prompts, outs, strict=True):
@@ -259,6 +422,7 @@ class VLLMEngine:
                         seed=seed,
                     )
                 )
+            group += [copy.deepcopy(group[0]) for _ in range(n - len(group))]  # greedy copies
             groups.append(group)
         if self.recompute_logprobs:
             flat = [s for g in groups for s in g]

@@ -1,0 +1,188 @@
+"""The vLLM engine's rules that run without a GPU or vllm (salvage.rollout.vllm_rules)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from salvage.rollout.config import EngineConfig
+from salvage.rollout.vllm_rules import (
+    MP_VAR,
+    EngineRegistry,
+    SyncState,
+    check_vllm_version,
+    executor_backend,
+    launcher_env,
+    preserved_rng,
+    request_seeds,
+    require_in_process,
+    samples_to_send,
+)
+
+
+# -- item 6: versions ------------------------------------------------------------------
+@pytest.mark.parametrize("v", ["0.27.0", "0.30.2", "0.33.0", "0.33.1.dev4+g1a2b3c"])
+def test_supported_vllm_versions_pass(v):
+    check_vllm_version(v)
+
+
+@pytest.mark.parametrize("v", ["0.10.2", "0.26.9", "0.34.0", "1.0.0"])
+def test_other_vllm_versions_fail_with_the_range(v):
+    with pytest.raises(ImportError, match=r"vllm>=0\.27,<0\.34") as e:
+        check_vllm_version(v)
+    assert v in str(e.value)
+
+
+# -- item 1: in-process engine ---------------------------------------------------------
+def test_in_process_is_set_when_unset_and_kept_when_zero():
+    env: dict[str, str] = {}
+    require_in_process(env)
+    assert env == {MP_VAR: "0"}
+    env = {MP_VAR: "0"}
+    require_in_process(env)
+    assert env[MP_VAR] == "0"
+
+
+@pytest.mark.parametrize("value", ["1", "2", "yes"])
+def test_a_user_setting_for_multiprocessing_is_refused_clearly(value):
+    env = {MP_VAR: value}
+    with pytest.raises(RuntimeError, match=f"{MP_VAR}='{value}'.*set it to 0"):
+        require_in_process(env)
+    assert env[MP_VAR] == value  # not silently overwritten
+
+
+# -- item 4: launcher from the live process group --------------------------------------
+def test_external_launcher_only_with_more_than_one_rank():
+    assert executor_backend(False, 1) is None
+    # the first in-process engine leaves a 1-process group behind: still vLLM's own executor
+    assert executor_backend(True, 1) is None
+    assert executor_backend(True, 2) == "external_launcher"
+    assert executor_backend(True, 8) == "external_launcher"
+
+
+def test_launcher_variables_come_from_the_live_group():
+    env = {"RANK": "0", "WORLD_SIZE": "4"}  # a launcher that set RANK but not LOCAL_RANK
+    changed = launcher_env(env, rank=3, local_rank=1)
+    assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "4"
+    assert changed == {"RANK": ("0", "3"), "LOCAL_RANK": (None, "1")}
+    assert launcher_env(env, rank=3, local_rank=1) == {}
+
+
+# -- item 5: sampling ----------------------------------------------------------------------
+def test_request_seeds_are_spaced_by_n_so_no_sample_shares_a_seed():
+    # vLLM seeds sample j of request i with seeds[i] + j (parallel_sampling.py)
+    seeds = request_seeds(5, num_prompts=3, n=4)
+    base = (5 * 1_000_003) % (2**31 - 1)
+    assert seeds == [base, base + 4, base + 8]
+    all_samples = [s + j for s in seeds for j in range(4)]
+    assert len(set(all_samples)) == 12
+    # the old layout (seed + i) gave prompt 0's sample 1 prompt 1's sample 0 seed
+    old = [base + i for i in range(3)]
+    assert len({s + j for s in old for j in range(4)}) < 12
+    assert request_seeds(5, 3, 4) == seeds and request_seeds(6, 3, 4) != seeds
+
+
+def test_greedy_sends_one_sample_per_prompt():
+    assert samples_to_send(0.0, 4) == 1
+    assert samples_to_send(0.7, 4) == 4
+    assert samples_to_send(1.0, 1) == 1
+
+
+def test_engine_config_refuses_what_vllm_refuses_or_changes():
+    with pytest.raises(ValueError, match=r"engine.temperature=2.5.*\[0, 2\]"):
+        EngineConfig(backend="vllm", temperature=2.5)
+    with pytest.raises(ValueError, match=r"engine.temperature=0.005"):
+        EngineConfig(backend="vllm", temperature=0.005)
+    with pytest.raises(ValueError, match=r"engine.top_p=0.9 with vllm_recompute_logprobs"):
+        EngineConfig(backend="vllm", top_p=0.9, vllm_recompute_logprobs=False)
+    # accepted: greedy, 2.0, top-p with recomputed log-probs, and anything on the HF engine
+    EngineConfig(backend="vllm", temperature=0.0)
+    EngineConfig(backend="vllm", temperature=2.0)
+    EngineConfig(backend="vllm", top_p=0.9)
+    EngineConfig(backend="hf", temperature=2.5, top_p=0.9, vllm_recompute_logprobs=False)
+
+
+# -- item 3: sync bookkeeping ----------------------------------------------------------------
+def test_a_trainable_engine_syncs_at_its_first_prepare_even_at_version_0():
+    s = SyncState(frozen=False)
+    assert s.needs_sync(0)  # vLLM loaded the checkpoint on disk, not the live model
+    s.synced(0)
+    assert not s.needs_sync(0)
+    assert s.needs_sync(1)
+    s.synced(1)
+    s.slept(1)
+    assert not s.needs_sync(1)  # level 1 keeps the weights (offloaded to CPU)
+    s.slept(2)
+    assert s.needs_sync(1)  # level 2 discarded them
+    s.synced(1)
+    assert not s.needs_sync(1)
+
+
+def test_a_resumed_policy_at_version_3_is_synced_too():
+    s = SyncState(frozen=False)
+    assert s.needs_sync(3)
+
+
+def test_a_frozen_engine_never_syncs():
+    s = SyncState(frozen=True)
+    assert not s.needs_sync(0) and not s.needs_sync(5)
+
+
+# -- item 2: one sleep-mode engine per process, shared backends ----------------------------
+def test_registry_gives_sleep_mode_to_the_first_trainable_engine_only():
+    reg = EngineRegistry()
+    assert reg.sleep_level(1, frozen=True) == 0  # a teacher built first does not take it
+    assert reg.sleep_level(1, frozen=False) == 1
+    a = object()
+    reg.claim_sleep(a)
+    assert reg.sleep_level(2, frozen=False) == 0  # GRAFT's second policy
+    assert reg.sleep_level(1, frozen=True) == 0
+    assert reg.sleep_level(0, frozen=False) == 0
+    with pytest.raises(RuntimeError, match="already uses sleep mode"):
+        reg.claim_sleep(object())
+
+
+def test_registry_shares_a_backend_per_live_model_and_settings():
+    reg = EngineRegistry()
+    m1, m2 = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    key = (0.3, 1, True, None, "bfloat16", False)
+    backend = object()
+    reg.add(m1, key, backend)
+    assert reg.find(m1, key) is backend  # evaluation reuses the training engine
+    assert reg.find(m2, key) is None  # another model: its own engine
+    assert reg.find(m1, key[:-1] + (True,)) is None  # other settings: its own engine
+    del m1
+    import gc
+
+    gc.collect()
+    assert reg.find(m2, key) is None
+    assert reg._shared == []  # a dead model's entry is dropped
+
+
+# -- item 5: RNG -------------------------------------------------------------------------------
+def test_preserved_rng_puts_every_global_stream_back():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    with preserved_rng():  # what vLLM's set_random_seed does while an engine is built
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        torch.rand(5)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_preserved_rng_restores_after_an_error():
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError), preserved_rng():
+        torch.manual_seed(0)
+        raise ValueError("engine build failed")
+    assert torch.equal(torch.get_rng_state(), state)
