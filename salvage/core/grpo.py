@@ -147,8 +147,3 @@ def aggregation_denominator(
         )
         return float((seq_tokens > 0).sum())
     raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {mode!r}")
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)

@@ -398,7 +398,7 @@ def _article(phrase: str) -> str:
 
 def _check_options(options: dict[str, list[str]]) -> None:
     """No two option values of a product may match under the reward's fuzzy rule."""
-    from salvage.envs.webshop import fuzzy_ratio, normalize_color
+    from salvage.core.webshop import fuzzy_ratio, normalize_color
 
     values = [v for vs in options.values() for v in vs]
     for i, v in enumerate(values):
