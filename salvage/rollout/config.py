@@ -70,43 +70,23 @@ class EngineConfig:
             check_vllm_sampling(self.temperature, self.top_p, self.vllm_recompute_logprobs)
 
 
+ENGINE_CLASSES = {
+    "hf": "salvage.rollout.hf:HFEngine",
+    "vllm": "salvage.rollout.vllm:VLLMEngine",  # imports vllm lazily: an optional GPU extra
+}
+"""The engines by ``engine.backend``: each class builds itself with ``from_config``."""
+
+
 def build_engine(
     cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False
 ) -> Any:
     """The engine ``cfg.backend`` names, sampling from ``model`` (``frozen``: a teacher, never re-synced)."""
-    if cfg.backend == "vllm":
-        from salvage.rollout.vllm import VLLMEngine  # lazy: vllm is an optional GPU extra
+    if cfg.backend not in ENGINE_CLASSES:
+        raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    import importlib
 
-        return VLLMEngine(
-            model,
-            tokenizer,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            stop=cfg.stop,
-            logprob_batch_size=cfg.logprob_batch_size,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            sleep_level=cfg.vllm_sleep_level,
-            recompute_logprobs=cfg.vllm_recompute_logprobs,
-            max_model_len=cfg.vllm_max_model_len,
-            dtype=cfg.vllm_dtype,
-            enforce_eager=cfg.vllm_enforce_eager,
-            frozen=frozen,
-        )
-    if cfg.backend == "hf":
-        from salvage.rollout.hf import HFEngine
-
-        return HFEngine(
-            model,
-            tokenizer,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            stop=cfg.stop,
-            batch_size=cfg.batch_size,
-            logprob_batch_size=cfg.logprob_batch_size,
-        )
-    raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    mod, name = ENGINE_CLASSES[cfg.backend].split(":")
+    return getattr(importlib.import_module(mod), name).from_config(cfg, model, tokenizer, frozen)
 
 
 def call_settings(

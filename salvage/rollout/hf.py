@@ -18,7 +18,7 @@ import torch
 from salvage.distributed import check_gathered
 from salvage.lm import pad_left, response_logprobs
 from salvage.progress import stage
-from salvage.rollout.config import call_settings
+from salvage.rollout.config import EngineConfig, call_settings
 from salvage.types import Sample
 
 
@@ -28,6 +28,22 @@ def _mix_seed(seed: int, chunk: int) -> int:
 
 class HFEngine:
     """Samples with ``model.generate``. Holds a reference to the live policy module."""
+
+    @classmethod
+    def from_config(
+        cls, cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False
+    ) -> HFEngine:
+        """Built from ``engine.*`` settings (``frozen`` needs nothing here: no copy to sync)."""
+        return cls(
+            model,
+            tokenizer,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=cfg.stop,
+            batch_size=cfg.batch_size,
+            logprob_batch_size=cfg.logprob_batch_size,
+        )
 
     def __init__(
         self,

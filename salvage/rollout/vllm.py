@@ -91,7 +91,7 @@ from typing import Any
 import torch
 
 from salvage.lm import response_logprobs
-from salvage.rollout.config import call_settings
+from salvage.rollout.config import EngineConfig, call_settings
 from salvage.rollout.vllm_rules import (
     REGISTRY,
     SyncState,
@@ -283,6 +283,28 @@ def _build_backend(
 
 class VLLMEngine:
     """``RolloutEngine`` on a colocated ``vllm.LLM`` holding a copy of the live policy."""
+
+    @classmethod
+    def from_config(
+        cls, cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False
+    ) -> VLLMEngine:
+        """Built from ``engine.*`` settings; ``frozen``: a teacher, never re-synced."""
+        return cls(
+            model,
+            tokenizer,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=cfg.stop,
+            logprob_batch_size=cfg.logprob_batch_size,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            sleep_level=cfg.vllm_sleep_level,
+            recompute_logprobs=cfg.vllm_recompute_logprobs,
+            max_model_len=cfg.vllm_max_model_len,
+            dtype=cfg.vllm_dtype,
+            enforce_eager=cfg.vllm_enforce_eager,
+            frozen=frozen,
+        )
 
     def __init__(
         self,
