@@ -108,7 +108,7 @@ def main() -> None:
             env=EnvSpec(
                 name="scripted",
                 kwargs={"max_steps": 8},
-                train_tasks={"num_tasks": 5, "length": 5, "actions": ["a", "b", "c"]},
+                train_tasks={"num_tasks": 10, "length": 5, "actions": ["a", "b", "c"]},
             ),
             agent=AgentFormat(history_k=1),
             max_turns=8,
