@@ -94,6 +94,51 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` on one process."""
+    if world()[1] == 1:
+        return [obj]
+    d = torch.distributed
+    out: list[Any] = [None] * d.get_world_size()
+    d.all_gather_object(out, obj)
+    return out
+
+
+def rank_share(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s slice ``[start, stop)`` of ``total`` items split over ``world_size`` ranks.
+
+    Contiguous and in rank order (concatenating the slices gives the items in their order);
+    the first ``total % world_size`` ranks take one item more.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size} ranks")
+    base, extra = divmod(total, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def merge_eval_records(
+    per_rank: list[list[tuple[int, str, str, float, float]]],
+) -> dict[tuple[int, str], tuple[float, float]]:
+    """(repeat, benchmark) -> (successes, samples) over all ranks' evaluated problems.
+
+    Each record is ``(repeat, benchmark, task id, successes, samples)`` for one problem. A
+    problem evaluated on several ranks (Lightning's distributed sampler pads the last
+    batch with problems of the first) counts once, the lowest rank's copy: the result is
+    the mean over the evaluated problems, as one process holding them all would compute.
+    """
+    seen: set[tuple[int, str, str]] = set()
+    out: dict[tuple[int, str], tuple[float, float]] = {}
+    for records in per_rank:
+        for repeat, bench, task, succ, n in records:
+            if (repeat, bench, task) in seen:
+                continue
+            seen.add((repeat, bench, task))
+            s0, n0 = out.get((repeat, bench), (0.0, 0.0))
+            out[(repeat, bench)] = (s0 + succ, n0 + n)
+    return out
+
+
 def lockstep(n: int) -> int:
     """The largest ``n`` over ranks: how many iterations every rank's loop must run."""
     return int(all_reduce([float(n)], "max")[0])

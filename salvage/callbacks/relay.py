@@ -53,10 +53,10 @@ from salvage.core.relay import (
     random_anchor_order,
     relay_search,
     select_backbone,
-    select_groups,
+    select_groups_across_ranks,
 )
 from salvage.datamodules.common import step_seed
-from salvage.distributed import gathered, run_file, shard_model
+from salvage.distributed import all_reduce, gather_objects, gathered, run_file, shard_model, world
 from salvage.models import PolicySpec, load_policy
 from salvage.progress import stage
 from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
@@ -219,6 +219,10 @@ class RescueCallback(L.Callback):
     def _log(
         self, pl_module: L.LightningModule, step: dict[str, float], fracs: list[float]
     ) -> None:
+        if world()[1] > 1:  # per update = over all ranks (SPEC §2.5): sum the rank shares
+            keys = _Accounting.KEYS
+            step = dict(zip(keys, all_reduce([step.get(k, 0.0) for k in keys]), strict=True))
+            fracs = [f for part in gather_objects(fracs) for f in part]
         pl_module.record(self.acc.metrics(step, fracs))
 
     def on_train_batch_start(
@@ -226,8 +230,7 @@ class RescueCallback(L.Callback):
     ) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        zero = [i for i, g in enumerate(batch.groups) if g.zero_signal]
-        selected = select_groups(zero, self.cfg, self._rng(trainer))
+        zero, selected = self.select(trainer, batch)
         step = {
             "zero_signal_groups": float(len(zero)),
             "selected": float(len(selected)),
@@ -242,6 +245,18 @@ class RescueCallback(L.Callback):
                 if hasattr(e, "release"):
                     e.release()  # vLLM: memory back to training
         self._log(pl_module, step, fracs)
+
+    def select(self, trainer: L.Trainer, batch: RolloutBatch) -> tuple[list[int], list[int]]:
+        """This rank's zero-signal groups and those of them it rescues.
+
+        At most ``max_groups`` per update over all ranks (SPEC §2): every rank's candidates
+        are gathered and every rank makes the same choice, the one a single process would
+        make on the whole batch (each rank holds a contiguous slice of it, in rank order).
+        """
+        zero = [i for i, g in enumerate(batch.groups) if g.zero_signal]
+        everyone = gather_objects(zero)  # a collective: every rank, every step
+        picked = select_groups_across_ranks(everyone, self.cfg, self._rng(trainer))
+        return zero, picked[world()[0]]
 
     def rescue(
         self,

@@ -482,3 +482,23 @@ def select_groups(zero_signal: Sequence[int], cfg: RelayConfig, rng: random.Rand
         rng.shuffle(picked)
         return sorted(picked[: cfg.max_groups])
     return list(zero_signal)[: cfg.max_groups]
+
+
+def select_groups_across_ranks(
+    zero_signal: Sequence[Sequence[int]], cfg: RelayConfig, rng: random.Random
+) -> list[list[int]]:
+    """Per rank, which of its zero-signal groups to rescue: at most ``max_groups`` in all.
+
+    ``zero_signal[r]``: rank r's zero-signal group indices (into its own batch). Ranks hold
+    contiguous slices of the global batch in rank order, so rank-major order is the global
+    batch order; the choice is ``select_groups`` on the whole batch (every rank computes the
+    same, with ``rng`` seeded alike), mapped back to each rank's indices. SPEC §2: "per
+    update" means across all processes.
+    """
+    flat = [(r, i) for r, idx in enumerate(zero_signal) for i in idx]
+    picked = select_groups(list(range(len(flat))), cfg, rng)
+    out: list[list[int]] = [[] for _ in zero_signal]
+    for k in picked:
+        r, i = flat[k]
+        out[r].append(i)
+    return out

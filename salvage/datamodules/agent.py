@@ -79,7 +79,8 @@ class AgentDataModule(RolloutDataModule):
         env: environment, tasks and workers.
         agent: prompt/answer format, history length, penalties.
         max_turns: episode cap H (environment interactions).
-        tasks_per_step: tasks per rollout batch.
+        tasks_per_step: tasks per rollout batch of one update, over all ranks (split as
+            ``prompts_per_step`` of RLVRDataModule).
         group_size: episodes per task (G).
         engine: sampling settings of the student.
         val_temperature: sampling temperature of evaluation episodes (0 = greedy).

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from salvage.core.grpo import ADVANTAGE_ESTIMATORS
 from salvage.datamodules.common import assign_advantages
-from salvage.distributed import gathered
+from salvage.distributed import gathered, rank_share
 from salvage.rollout.config import EngineConfig, build_engine
 from salvage.types import Group, RolloutBatch
 
@@ -44,31 +44,43 @@ class StepBatches:
 
     Epoch e is one permutation of the tasks (seeded by ``seed`` and e); iteration starts at
     the trainer's current global step, so a run resumed from a checkpoint (even mid-epoch)
-    sees exactly the batches the uninterrupted run would have seen. Each rank takes its own
-    slice of the global batch (no DistributedSampler needed).
+    sees exactly the batches the uninterrupted run would have seen. ``batch_size`` is the
+    global batch of one update (the papers' number, whatever the number of processes):
+    each rank takes its contiguous share of it (``rank_share``: the first
+    ``batch_size % world`` ranks one task more), so all ranks together hold exactly the
+    batch one process would (no DistributedSampler needed).
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, trainer: Any) -> None:
+    def __init__(
+        self, n: int, batch_size: int, seed: int, trainer: Any, key: str = "tasks_per_step"
+    ) -> None:
         self.n, self.batch_size, self.seed, self.trainer = n, batch_size, seed, trainer
         self.world = max(1, trainer.world_size)
         self.rank = trainer.global_rank
-        self.per_epoch = n // (batch_size * self.world)
-        if self.per_epoch < 1:
+        if batch_size < self.world:
             raise ValueError(
-                f"{batch_size} tasks per step x {self.world} ranks exceed the {n} training tasks"
+                f"data.{key}={batch_size} is the global batch of one update, split over the "
+                f"{self.world} ranks: it must be at least the number of ranks"
             )
+        self.per_epoch = n // batch_size
+        if self.per_epoch < 1:
+            raise ValueError(f"data.{key}={batch_size} exceeds the {n} training tasks")
+        self.start, self.stop = rank_share(batch_size, self.rank, self.world)
 
     def __len__(self) -> int:
         return self.per_epoch
 
-    def batch(self, step: int) -> list[int]:
+    def global_batch(self, step: int) -> list[int]:
+        """The whole batch of update ``step`` (every rank's share, in rank order)."""
         epoch, k = divmod(step, self.per_epoch)
         perm = torch.randperm(
             self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         )
-        width = self.batch_size * self.world
-        glob = perm[k * width : (k + 1) * width].tolist()
-        return glob[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return perm[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+
+    def batch(self, step: int) -> list[int]:
+        """This rank's share of the batch of update ``step``."""
+        return self.global_batch(step)[self.start : self.stop]
 
     def __iter__(self) -> Any:
         start = self.trainer.global_step
@@ -109,6 +121,7 @@ class RolloutDataModule(L.LightningDataModule):
         tasks_key: str = "tasks_per_step",
     ) -> None:
         super().__init__()
+        self.tasks_key = tasks_key
         if tasks_per_step < 1:
             raise ValueError(f"data.{tasks_key} must be >= 1, got {tasks_per_step}")
         if group_size < 2:
@@ -149,7 +162,9 @@ class RolloutDataModule(L.LightningDataModule):
                     self.tasks[split] = tasks
 
     def train_dataloader(self) -> StepBatches:
-        return StepBatches(len(self.tasks["train"]), self.tasks_per_step, self.seed, self.trainer)
+        return StepBatches(
+            len(self.tasks["train"]), self.tasks_per_step, self.seed, self.trainer, self.tasks_key
+        )
 
     def _eval_loader(self, split: str) -> DataLoader | list:
         if split not in self.tasks:

@@ -31,7 +31,9 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         train: where training tasks come from.
         val: evaluation tasks (``None``: no validation).
         test: test tasks (``None``: the validation tasks).
-        prompts_per_step: prompts per rollout batch (per rank).
+        prompts_per_step: prompts per rollout batch of one update, over all ranks (a
+            multi-process run splits them; the first ``prompts_per_step % ranks`` ranks
+            take one more).
         group_size: samples per prompt (G / n).
         engine: sampling settings for training rollouts.
         val_temperature: evaluation sampling temperature (SPEC §3.4: 0.6). A list of

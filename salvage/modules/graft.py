@@ -47,7 +47,7 @@ from salvage.core.graft import (
     sgt_pick,
 )
 from salvage.datamodules.common import step_seed
-from salvage.distributed import FSDPConfig, gathered, run_file
+from salvage.distributed import FSDPConfig, gather_objects, gathered, merge_eval_records, run_file
 from salvage.lm import response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.grpo import GRPOModule
@@ -423,8 +423,8 @@ class GRAFTModule(L.LightningModule):
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
-        # per model: (repeat, benchmark) -> [successes, samples]
-        self._eval_acc: dict[str, dict[tuple[int, str], list[float]]] = {"a": {}, "b": {}}
+        # per model, one record per evaluated problem: (repeat, benchmark, task, successes, samples)
+        self._eval_acc: dict[str, list[tuple[int, str, str, float, float]]] = {"a": [], "b": []}
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -437,24 +437,34 @@ class GRAFTModule(L.LightningModule):
     def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
         for name in ("a", "b"):
             part = batch.extras[name]
-            acc = self._eval_acc[name]
+            recs = self._eval_acc[name]
             for g in part.groups:
-                key = (int(g.task.get("repeat", 0)), str(g.task.get("family", "all")))
-                a = acc.setdefault(key, [0.0, 0.0])
-                a[0] += sum(t.success for t in g.trajectories)
-                a[1] += len(g.trajectories)
+                recs.append(
+                    (
+                        int(g.task.get("repeat", 0)),
+                        str(g.task.get("family", "all")),
+                        str(g.task_id),
+                        float(sum(t.success for t in g.trajectories)),
+                        float(len(g.trajectories)),
+                    )
+                )
 
     def _eval_end(self, prefix: str) -> None:
-        for name, acc in self._eval_acc.items():
+        """Per model, pass@1 per benchmark and the aggregate over the problems of all ranks
+        (every rank logs the same global numbers: checkpoint selection and CheckpointCost
+        see the whole evaluation, not one rank's share)."""
+        for name in ("a", "b"):
+            mine = getattr(self, "_eval_acc", {}).get(name, [])
+            acc = merge_eval_records(gather_objects(mine))  # a collective: every rank
             if not acc:
                 continue
-            values = repeat_metrics(f"{name}/{prefix}", {k: (v[0], v[1]) for k, v in acc.items()})
+            values = repeat_metrics(f"{name}/{prefix}", acc)
             if len({r for r, _ in acc}) == 1:  # one run: pass@1 per benchmark and the aggregate
                 values = {
                     k: v for k, v in values.items() if "/repeat_" not in k and "_std" not in k
                 }
             for k, v in values.items():
-                self.log(k, v, on_epoch=True)
+                self.log(k, v, on_epoch=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")

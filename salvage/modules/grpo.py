@@ -34,10 +34,12 @@ from salvage.distributed import (
     FSDPConfig,
     all_reduce,
     all_true,
+    gather_objects,
     gathered,
     global_scale,
     is_sharded,
     lockstep,
+    merge_eval_records,
     shard_model,
     world,
 )
@@ -701,7 +703,8 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
-        self._eval_acc: dict[tuple[int, str], list[float]] = {}  # (repeat, benchmark)
+        # one record per evaluated problem: (repeat, benchmark, task id, successes, samples)
+        self._eval_records: list[tuple[int, str, str, float, float]] = []
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -712,24 +715,26 @@ class GRPOModule(L.LightningModule):
         self._log_aggregate("eval")
 
     def _log_aggregate(self, prefix: str) -> None:
-        """``<prefix>/aggregate``: unweighted mean over benchmarks (families) of pass@1 (SPEC §3.4)."""
-        acc = getattr(self, "_eval_acc", {})
-        if len(acc) < 1:
+        """``<prefix>/success`` (over all samples), ``<prefix>/success/<benchmark>`` (pass@1)
+        and ``<prefix>/aggregate`` (their unweighted mean, SPEC §3.4) over the problems of all
+        ranks, each problem once: every rank logs the same global numbers, so checkpoint
+        selection and CheckpointCost see the whole evaluation, not one rank's share."""
+        mine = getattr(self, "_eval_records", [])
+        merged = merge_eval_records(gather_objects(mine))  # a collective: every rank
+        if not merged:
             return
-        names = sorted(acc)
-        t = torch.tensor(
-            [[acc[n][0], acc[n][1]] for n in names], dtype=torch.float64, device=self.device
+        succ, n = (sum(v[i] for v in merged.values()) for i in (0, 1))
+        self.log(
+            f"{prefix}/success", succ / max(n, 1.0), on_step=False, on_epoch=True, sync_dist=True
         )
-        if self.trainer.world_size > 1:
-            t = self.all_gather(t).sum(0)
-        counts = {n: (float(x[0]), float(x[1])) for n, x in zip(names, t.tolist(), strict=True)}
-        values = repeat_metrics(prefix, counts)  # one repeat: the aggregate (std 0)
-        if len({r for r, _ in names}) == 1:
-            values = {f"{prefix}/aggregate": values[f"{prefix}/aggregate"]}
-        else:  # the per-benchmark means are logged per batch already (same numbers)
-            values = {k: v for k, v in values.items() if not _is_bench_mean(k, prefix)}
+        counts = {k: v for k, v in merged.items() if k[1]}  # groups with a benchmark (family)
+        if not counts:
+            return
+        values = repeat_metrics(prefix, counts)
+        if len({r for r, _ in counts}) == 1:  # one run: pass@1 per benchmark and the aggregate
+            values = {k: v for k, v in values.items() if "/repeat_" not in k and "_std" not in k}
         for k, v in values.items():
-            self.log(k, v, on_step=False, on_epoch=True, rank_zero_only=True)
+            self.log(k, v, on_step=False, on_epoch=True, sync_dist=True)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -743,14 +748,6 @@ class GRPOModule(L.LightningModule):
         n = len(trajs)
         if not n:
             return
-        self.log(
-            f"{prefix}/success",
-            sum(t.success for t in trajs) / n,
-            on_step=False,
-            on_epoch=True,
-            batch_size=n,
-            sync_dist=True,
-        )
         lens = sum(t.num_response_tokens for t in trajs) / n
         self.log(
             f"{prefix}/response_len",
@@ -760,29 +757,21 @@ class GRPOModule(L.LightningModule):
             batch_size=n,
             sync_dist=True,
         )
-        by_family: dict[str, list[float]] = {}
-        by_repeat: dict[tuple[int, str], list[float]] = {}  # salvage test --repeats
-        for g in batch.groups:
-            fam = g.task.get("family")
-            if fam:
-                ok = [float(t.success) for t in g.trajectories]
-                by_family.setdefault(str(fam), []).extend(ok)
-                by_repeat.setdefault((int(g.task.get("repeat", 0)), str(fam)), []).extend(ok)
-        acc = getattr(self, "_eval_acc", None)
+        acc = getattr(self, "_eval_records", None)
         if acc is None:
-            acc = self._eval_acc = {}
-        for fam, vals in by_family.items():
-            self.log(
-                f"{prefix}/success/{fam}",
-                sum(vals) / len(vals),
-                on_step=False,
-                on_epoch=True,
-                batch_size=len(vals),
-            )
-        for key, vals in by_repeat.items():
-            a = acc.setdefault(key, [0.0, 0.0])
-            a[0] += sum(vals)
-            a[1] += len(vals)
+            acc = self._eval_records = []
+        for g in batch.groups:  # "": no benchmark (counted in <prefix>/success only)
+            fam = g.task.get("family")
+            if g.trajectories:
+                acc.append(
+                    (
+                        int(g.task.get("repeat", 0)),
+                        str(fam or ""),
+                        str(g.task_id),
+                        float(sum(t.success for t in g.trajectories)),
+                        float(len(g.trajectories)),
+                    )
+                )
 
 
 def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
@@ -795,10 +784,6 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
         except (RuntimeError, TypeError, ValueError):
             pass
     return torch.optim.AdamW(params, **kwargs)
-
-
-def _is_bench_mean(key: str, prefix: str) -> bool:
-    return key.startswith(f"{prefix}/success/") and not key.endswith("_std")
 
 
 def _loss_kind(info: dict[str, Any]) -> str:
