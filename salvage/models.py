@@ -207,11 +207,19 @@ def load_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Modul
             revision=None if name in BUILTINS else spec.revision,
             trust_remote_code=spec.trust_remote_code,
         )
-    model = model.to(dtype)
+    cast_parameters(model, dtype)
     if spec.trainable_layers is not None:
         freeze_below(model, spec.trainable_layers)
     model.train()
     return model
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters only: buffers such as the rotary ``inv_freq`` stay fp32 (in
+    bf16 their phase error grows with the position: ~5 rad at 4.6K tokens)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def freeze_below(model: torch.nn.Module, top: int) -> None:

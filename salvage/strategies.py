@@ -19,7 +19,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     Args:
         save_distributed_checkpoint: each rank writes its shard (a checkpoint directory);
             False gathers a single-file checkpoint on rank 0 (needs the memory for it).
-        **kwargs: other ``ModelParallelStrategy`` arguments (``process_group_backend``, ``timeout``).
+        **kwargs: other ``ModelParallelStrategy`` arguments (``process_group_backend``: default
+            ``cpu:gloo,cuda:nccl`` on GPUs, see ``default_backend``; ``timeout``).
     """
 
     def __init__(self, save_distributed_checkpoint: bool = True, **kwargs: Any) -> None:
@@ -39,3 +40,17 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._data_parallel_size = self.world_size
         super().setup_environment()
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or default_backend(self.root_device.type)
+
+
+def default_backend(device_type: str) -> str:
+    """The process group's backends when the config names none.
+
+    On GPUs both: NCCL for CUDA tensors and gloo for CPU ones, since CPU-offloaded shards
+    (``model.fsdp.cpu_offload``, a ``reference: offload``) are reduced for gradient clipping
+    and gathered with ``full_tensor()`` for the vLLM weight sync on the CPU; an NCCL-only group
+    fails there ("No backend type associated with device type cpu").
+    """
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"

@@ -200,7 +200,10 @@ class RolloutDataModule(L.LightningDataModule):
         for e in engines:  # vLLM: wake, re-sync weights (collectives: every rank, same order)
             e.prepare()
         try:
-            with gathered(*models):  # FSDP: one all-gather per rollout phase, then local sampling
+            # FSDP: one all-gather per rollout phase, then local sampling. The precision
+            # plugin's context (bf16-mixed: autocast) wraps the rollout as it wraps the update,
+            # so behaviour log-probs and the update share numerics (first ratio 1)
+            with gathered(*models), self.trainer.precision_plugin.forward_context():
                 if self.trainer.training:
                     return self.train_rollout([self.tasks["train"][i] for i in batch])
                 split = "test" if self.trainer.testing else "val"
