@@ -85,7 +85,7 @@ def _reference_grads(policy, ref_policy, trajs, temperature, eps_low, eps_high, 
             )
         cur = [lps[start + j, tok] for j, tok in enumerate(turn.response_ids)]
         refs = [ref[start + j, tok] for j, tok in enumerate(turn.response_ids)]
-        kind = t.info.get("loss") or ("sequence" if "seq_ratio" in t.info else "clip")
+        kind = "sequence" if "seq_ratio" in t.info else t.info.get("loss", "clip")
         a = t.advantage
         if kind == "sequence":
             seq_ref, low, high = t.info["seq_ratio"]
@@ -115,7 +115,7 @@ def test_fast_update_equals_the_slow_reference(tiny):
         policy=PolicySpec("tiny"),
         lr=1.0,
         num_minibatches=1,
-        micro_batch_size=2,  # 5 rows: three micro-batches
+        micro_batch_size=2,  # 7 rows: four micro-batches
         kl_coef=0.1,
         max_grad_norm=0.0,
         shuffle_minibatches=False,
@@ -145,7 +145,9 @@ def test_fast_update_equals_the_slow_reference(tiny):
         traj(4, 3, -0.7),  # own row, negative advantage
         traj(6, 4, 1.1, w=0.6, source="peer"),  # GRAFT peer row, compatibility weight
         traj(5, 6, 0.9, source="peer", loss="luffy"),  # LUFFY-style peer tokens
-        traj(3, 4, -1.2, seq_ratio=(-4.0, 0.8, 1.3)),  # HACPO sequence-level ratio
+        traj(3, 4, -1.2, seq_ratio=(-4.0, 0.8, 1.3)),  # HACPO own row: sequence-level ratio
+        traj(4, 3, 0.8, source="peer", loss="hacpo", seq_ratio=(-3.5, 0.85, math.inf)),
+        traj(5, 3, 1.3, source="peer", loss="clip", seq_ratio=(-3.0, 0.8, 1.28)),  # Table 2a
     ]
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     reference = copy.deepcopy(module.policy)

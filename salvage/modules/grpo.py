@@ -789,11 +789,13 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
 
 
 def _loss_kind(info: dict[str, Any]) -> str:
-    """A trajectory's policy loss: ``info["loss"]`` if set, ``sequence`` for a row with a
-    sequence-level ratio (HACPO, Table 2a), else the clipped token surrogate."""
-    if info.get("loss"):
-        return str(info["loss"])
-    return "sequence" if info.get("seq_ratio") is not None else "clip"
+    """A trajectory's registered policy loss: ``sequence`` for a row with a sequence-level
+    ratio (``info["seq_ratio"]``: HACPO rows, Table 2a's peer rows), else ``info["loss"]``
+    (``clip`` or ``luffy``; ``hacpo`` only labels HACPO's rows), else ``clip``."""
+    if info.get("seq_ratio") is not None:
+        return "sequence"
+    kind = str(info.get("loss") or "clip")
+    return "clip" if kind == "hacpo" else kind
 
 
 def _seq_ratio(value: Any) -> tuple[float, float, float] | None:
