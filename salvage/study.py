@@ -35,7 +35,8 @@ The study dir (``--out``; default ``runs/studies/<name>``) holds ``study.json`` 
 run) and one run dir per (method, seed). A run that exited 0 has ``done.json`` (its command
 and exit code) and is skipped on later calls; a run without it is started again, resuming
 through ``--ckpt_path last`` when the run dir holds a ``last.ckpt``, so a study interrupted at
-any point finishes on the next call. Runs go one after another (``--backend local``) or as
+any point finishes on the next call. Runs go one after another (``--backend local``; ``--jobs
+N`` runs N at a time, each its own process) or as
 one Ray task each (``--backend ray``; resources from ``ray_resources`` or else from the
 config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda, or auto on
 a cluster with GPUs; the study dir must be on a filesystem every Ray node sees). Each run's environment sets
@@ -55,6 +56,7 @@ import os
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,18 +351,29 @@ def ray_resources(study: Study, run: Run, cluster_gpus: float = 0.0) -> dict[str
     return {"num_cpus": 1.0, "num_gpus": float(n) if gpu else 0.0}
 
 
-def _run_local(study: Study, todo: list[Run]) -> list[Run]:
-    failed = []
-    for i, r in enumerate(todo, 1):
+def _run_local(study: Study, todo: list[Run], jobs: int = 1) -> list[Run]:
+    """Run ``todo`` in plan order, ``jobs`` runs at a time (each its own process)."""
+
+    def one(i: int, r: Run) -> Run | None:
         cmd = r.command()
         how = "resuming" if "--ckpt_path" in cmd else "starting"
         print(f"[{i}/{len(todo)}] {how} {r.method} seed {r.seed} -> {r.dir}", flush=True)
         rc = execute(cmd, str(r.dir), run_env(study, r))
-        if rc != 0:
-            print(f"  exit code {rc}; last lines of {r.dir / 'fit.log'}:", file=sys.stderr)
-            print(_tail(r.dir / "fit.log"), file=sys.stderr)
-            failed.append(r)
-    return failed
+        if rc == 0:
+            return None
+        print(
+            f"  {r.method} seed {r.seed}: exit code {rc}; last lines of {r.dir / 'fit.log'}:\n"
+            + _tail(r.dir / "fit.log"),
+            file=sys.stderr,
+        )
+        return r
+
+    if jobs <= 1:
+        res = [one(i, r) for i, r in enumerate(todo, 1)]
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            res = list(pool.map(one, range(1, len(todo) + 1), todo))
+    return [r for r in res if r is not None]
 
 
 def _run_ray(study: Study, todo: list[Run], address: str | None) -> list[Run]:
@@ -390,8 +403,12 @@ def run_study(
     out: str | Path | None = None,
     backend: str = "local",
     address: str | None = None,
+    jobs: int = 1,
 ) -> int:
-    """Run the study's unfinished runs; 0 when every run is done, else 1."""
+    """Run the study's unfinished runs; 0 when every run is done, else 1. ``jobs``: runs at a
+    time on the local backend."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     study = load_study(path)
     out_dir = Path(out) if out is not None else Path("runs") / "studies" / study.name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -421,7 +438,7 @@ def run_study(
         f"{len(todo)} to run -> {out_dir}",
         flush=True,
     )
-    failed = _run_ray(study, todo, address) if backend == "ray" else _run_local(study, todo)
+    failed = _run_ray(study, todo, address) if backend == "ray" else _run_local(study, todo, jobs)
     if failed:
         names = ", ".join(f"{r.method}/seed{r.seed}" for r in failed)
         print(f"study {study.name}: {len(failed)} run(s) failed: {names}", file=sys.stderr)
@@ -438,9 +455,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="study dir (default runs/studies/<name>)")
     p.add_argument("--backend", choices=("local", "ray"), default="local")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
+    p.add_argument("--jobs", type=int, default=1, help="local backend: runs at a time (default 1)")
     a = p.parse_args(argv)
     try:
-        rc = run_study(a.study, a.out, a.backend, a.ray_address)
+        rc = run_study(a.study, a.out, a.backend, a.ray_address, a.jobs)
     except ValueError as e:
         p.exit(2, f"salvage study: error: {e}\n")
     sys.exit(rc)

@@ -148,6 +148,30 @@ def test_finished_runs_are_skipped_and_changed_ones_flagged(tmp_path, capsys):
     assert info["methods"] == ["grpo"] and info["seeds"] == [0, 1]
 
 
+def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
+    # each "fit" records when it starts and ends and sleeps 1.5 s: with --jobs 2 the two runs
+    # overlap in time (sequentially the second starts after the first ended), both end done
+    from salvage import study as study_mod
+
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0, 1]\nmethods: {{grpo: []}}\n")
+    script = (
+        "import sys, time; p = sys.argv[1]; open(p + '/t', 'w').write(str(time.time()) + ' ');"
+        "time.sleep(1.5); open(p + '/t', 'a').write(str(time.time()))"
+    )
+    monkeypatch.setattr(
+        study_mod.Run, "command", lambda self: [sys.executable, "-c", script, str(self.dir)]
+    )
+    out = tmp_path / "o"
+    assert run_study(f, out, jobs=2) == 0
+    (s0, e0), (s1, e1) = (
+        map(float, (out / "grpo" / f"seed{k}" / "t").read_text().split()) for k in (0, 1)
+    )
+    assert max(s0, s1) < min(e0, e1)  # the runs overlapped
+    assert all((out / "grpo" / f"seed{k}" / "done.json").is_file() for k in (0, 1))
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
+        run_study(f, out, jobs=0)
+
+
 def test_execute_marks_only_a_clean_exit_done(tmp_path):
     run = tmp_path / "m" / "seed0"
     fail = [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]
