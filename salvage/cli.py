@@ -120,20 +120,16 @@ class SalvageCLI(LightningCLI):
             cfg.trainer.default_root_dir = os.path.join("runs", stem)
         root = cfg.trainer.default_root_dir
         self._run_config_yaml = self._parser(sub).dump(cfg, skip_none=False, skip_validation=True)
-        ckpt = cfg.get("ckpt_path")
-        if ckpt in ("last", "hpc", "registry") or ckpt is None:
-            if ckpt == "last":
-                found = find_last_checkpoint(root)
-                if found is None:
-                    print(
-                        f"salvage: --ckpt_path last: no checkpoint under {root}; starting a new run",
-                        file=sys.stderr,
-                    )
-                    cfg.ckpt_path = None
-                else:
-                    cfg.ckpt_path = str(found)
-            if cfg.get("ckpt_path") in (None, "hpc", "registry"):
-                return
+        if cfg.get("ckpt_path") == "last":  # this run dir's newest checkpoint, any version
+            found = find_last_checkpoint(root)
+            if found is None:
+                print(
+                    f"salvage: --ckpt_path last: no checkpoint under {root}; starting a new run",
+                    file=sys.stderr,
+                )
+            cfg.ckpt_path = None if found is None else str(found)
+        if cfg.get("ckpt_path") in (None, "hpc", "registry"):
+            return
         path = Path(cfg.ckpt_path)
         if not path.exists():
             raise ResumeError(f"--ckpt_path {path}: no such checkpoint")
