@@ -9,7 +9,7 @@ from typing import Any
 from salvage.datamodules.base import RolloutDataModule
 from salvage.datamodules.common import step_seed
 from salvage.datamodules.repeats import RepeatedTest
-from salvage.errors import DataError
+from salvage.errors import ConfigError, DataError
 from salvage.rollout.config import EngineConfig, generate_with_retry
 from salvage.tasks.math import (
     MathData,
@@ -28,7 +28,8 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
     """Math RLVR rollouts: ``prompts_per_step`` prompts x ``group_size`` samples per step.
 
     Args:
-        train: where training tasks come from.
+        train: where training tasks come from: one source, or a list whose tasks are pooled
+            (e.g. two slices of a task family; task ids are prefixed by each source's label).
         val: evaluation tasks (``None``: no validation).
         test: test tasks (``None``: the validation tasks).
         prompts_per_step: prompts per rollout batch of one update, over all ranks (a
@@ -56,7 +57,7 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
 
     def __init__(
         self,
-        train: MathData | None = None,
+        train: MathData | list[MathData] | None = None,
         val: MathData | list[MathData] | None = None,
         test: MathData | list[MathData] | None = None,
         prompts_per_step: int = 8,
@@ -94,6 +95,8 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         self.test_repeats = test_repeats
         if max_prompt_tokens < 8:
             raise ValueError(f"data.max_prompt_tokens must be >= 8, got {max_prompt_tokens}")
+        if isinstance(train, list) and not train:
+            raise ConfigError("data.train: an empty list of sources (give at least one)")
         self.train_data = train or MathData()
         self.val_data = val
         self.test_data = test
