@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from salvage.checkpointing import find_last_checkpoint
 from salvage.models import PolicySpec, load_model, load_tokenizer
 
 
@@ -87,7 +88,8 @@ def export(
     """Write one policy of ``ckpt`` as an HF directory ``out_dir``.
 
     Args:
-        ckpt: a Lightning checkpoint file or distributed checkpoint directory.
+        ckpt: a Lightning checkpoint file, a distributed checkpoint directory, or a run dir
+            (its newest version's ``last.ckpt``).
         out_dir: the HF directory to write.
         policy: GRAFT checkpoints: ``a`` or ``b``.
         trust_remote_code: allow the model's own code to run (the user's choice, never the
@@ -97,6 +99,12 @@ def export(
         overwrite: clear a non-empty ``out_dir`` first.
     """
     out = Path(out_dir)
+    given = Path(ckpt)
+    if given.is_dir() and not (given / ".metadata").exists():  # a run dir, not a DCP dir
+        found = find_last_checkpoint(given)
+        if found is None:
+            raise FileNotFoundError(f"run dir {given} holds no last.ckpt in any version_N")
+        ckpt = found
     _prepare_out_dir(out, Path(ckpt), overwrite)
     state = load_checkpoint(ckpt)
     hp: dict[str, Any] = state.get("hyper_parameters", {})
@@ -157,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "ckpt",
-        help="a Lightning checkpoint (e.g. RUN/checkpoints/last.ckpt; a file, or a "
-        "distributed checkpoint directory)",
+        help="a Lightning checkpoint (a file, or a distributed checkpoint directory), or a "
+        "run dir: its newest version's checkpoints/last.ckpt",
     )
     ap.add_argument("out_dir", help="where the HF directory goes")
     ap.add_argument(

@@ -76,3 +76,22 @@ def test_export_refuses_an_ambiguous_graft_checkpoint(tmp_path):
     )
     with pytest.raises(ValueError, match="pass --policy a or --policy b"):
         export(tmp_path / "g.ckpt", tmp_path / "out")
+
+
+def test_export_of_a_run_dir_takes_its_newest_versions_last_checkpoint(tmp_path):
+    from salvage.export import export
+
+    run = tmp_path / "run"
+    for v in ("version_0", "version_1"):
+        (run / v / "checkpoints").mkdir(parents=True)
+    (run / "version_0" / "checkpoints" / "last.ckpt").write_bytes(b"not a checkpoint")
+    torch.save(
+        {"hyper_parameters": {}, "state_dict": {"a.policy.x": torch.zeros(1)}},
+        run / "version_1" / "checkpoints" / "last.ckpt",
+    )
+    # version_1's GRAFT checkpoint is the one read (version_0's file would not even load)
+    with pytest.raises(ValueError, match="pass --policy a or --policy b"):
+        export(run, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="holds no last.ckpt"):
+        export(tmp_path / "empty", tmp_path / "out2")
