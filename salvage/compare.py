@@ -42,6 +42,11 @@ CURVES = (
     ("extra-token ratio", r"^cost/extra_token_ratio$"),
     ("GPU-hours", r"^cost/gpu_hours$"),
 )
+# method-specific curves: plotted when some run logs them, never reported missing
+OPTIONAL_CURVES = (
+    ("GRAFT admitted fraction", r"^graft/admitted_frac$"),
+    ("GRAFT transfers", r"^graft/transferred_(a_to_b|b_to_a)$"),
+)
 _VERSION = re.compile(r"^version_(\d+)$")
 _SEED = re.compile(r"seed(\d+)$")
 
@@ -113,14 +118,19 @@ def collect(paths: list[Path]) -> list[RunData]:
 
 
 def heldout_keys(runs: list[RunData]) -> list[str]:
-    """``[<model>/]val/success`` per model prefix, else ``[<model>/]val/aggregate``."""
+    """``[<model>/]val/success`` per model prefix, else ``[<model>/]val/aggregate`` followed
+    by that model's per-benchmark ``[<model>/]val/success/<name>`` (several benchmarks)."""
     keys = {k for r in runs for k in r.series}
     prefixes = sorted(
         {m.group(1) or "" for k in keys if (m := re.match(r"^(.*/)?val/(success|aggregate)$", k))}
     )
     out = []
     for pre in prefixes:
-        out.append(f"{pre}val/success" if f"{pre}val/success" in keys else f"{pre}val/aggregate")
+        if f"{pre}val/success" in keys:
+            out.append(f"{pre}val/success")
+            continue
+        out.append(f"{pre}val/aggregate")
+        out += sorted(k for k in keys if re.fullmatch(re.escape(pre) + r"val/success/[^/]+", k))
     return out
 
 
@@ -261,9 +271,11 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
     plots, missing = [], []
     for k in keys:
         (plots if plot(runs, k, "held-out", out / f"{_slug(k)}.png") else missing).append(k)
-    for title, pat in CURVES:
+    for (title, pat), optional in [(c, False) for c in CURVES] + [
+        (c, True) for c in OPTIONAL_CURVES
+    ]:
         matched = sorted(k for k in all_keys if re.search(pat, k))
-        if not matched:
+        if not matched and not optional:
             missing.append(title)
         for k in matched:
             if plot(runs, k, title, out / f"{_slug(k)}.png"):

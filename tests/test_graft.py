@@ -144,6 +144,7 @@ def test_fit_exchanges_both_directions_peer_last(tmp_path):
     m = trainer.callback_metrics
     assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
     assert float(m["graft/weight_mean"]) == 1.0  # gate off: w = 1
+    assert float(m["graft/admitted_frac"]) == 1.0
     assert cap.peer == {"a": [1], "b": [0]}
     # peer-last: the received group sits in the last minibatch of each receiver
     assert cap.order["b"][-1][-1] == 0 and 0 not in cap.order["b"][0]
@@ -180,10 +181,12 @@ def test_cli_graft_math_tiny_logs_graft_metrics(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
     assert len(rows) == 2
+    for row in rows:  # the admitted fraction exists exactly at the updates with transfers
+        moved = float(row["graft/transferred_a_to_b"]) + float(row["graft/transferred_b_to_a"])
+        assert (row.get("graft/admitted_frac", "") != "") == (moved > 0), row
     for k in (
         "graft/transferred_a_to_b",
         "graft/transferred_b_to_a",
-        "graft/admitted_frac",
         "graft/weight_mean",
         "a/rollout/success_rate",
         "b/rollout/success_rate",

@@ -250,13 +250,11 @@ class StoredPeer(L.Callback):
             pl_module.hparams.num_minibatches,
             random.Random(0),
         )
-        pl_module.record(
-            {
-                "graft/transferred_stored": float(len(prompts)),
-                "graft/transferred_stored_cum": float(self.transferred),
-                "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights))
-                if weights
-                else 0.0,
-                "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
-            }
-        )
+        values = {
+            "graft/transferred_stored": float(len(prompts)),
+            "graft/transferred_stored_cum": float(self.transferred),
+            "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
+        }
+        if weights:  # absent at updates without transfers, as in GRAFTModule
+            values["graft/admitted_frac"] = sum(w > 0 for w in weights) / len(weights)
+        pl_module.record(values)

@@ -325,12 +325,12 @@ class GRAFTModule(L.LightningModule):
                 "graft/transferred_b_to_a": float(len(tr.b_to_a)),
                 "graft/complementary_a_to_b": float(tr.m_ab),
                 "graft/complementary_b_to_a": float(tr.m_ba),
-                "graft/admitted_frac": (sum(w > 0 for w in weights) / len(weights))
-                if weights
-                else 0.0,
                 "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
             }
         )
+        if weights:  # of the transferred responses, the fraction the gate admits (w > 0);
+            # absent at updates without transfers (0 there would read as "none admitted")
+            values["graft/admitted_frac"] = sum(w > 0 for w in weights) / len(weights)
         if live_ab is not None:
             values["graft/selected_a_to_b"] = float(len(live_ab))
             values["graft/selected_b_to_a"] = float(len(live_ba))
