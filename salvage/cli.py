@@ -119,6 +119,7 @@ class SalvageCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Checks that need no weights: max_steps, the run dir, a resume's config."""
         sub = self.subcommand
+        upgrade_wandb_logger((self.config[sub] if sub else self.config).get("trainer") or {})
         if sub is None:
             return
         if sub == "fit":  # refused before anything is built
@@ -130,7 +131,6 @@ class SalvageCLI(LightningCLI):
             stem = Path(files[0]).stem if files else "salvage"
             cfg.trainer.default_root_dir = os.path.join("runs", stem)
         root = cfg.trainer.default_root_dir
-        upgrade_wandb_logger(cfg.trainer)
         self._run_config_yaml = self._parser(sub).dump(cfg, skip_none=False, skip_validation=True)
         if cfg.get("ckpt_path") == "last":  # this run dir's newest checkpoint, any version
             found = find_last_checkpoint(root)

@@ -176,6 +176,7 @@ class WandbDashboard(L.Callback):
         self._every = 1
         self._since_flush = 0
         self._warned = False
+        self._dir = Path(".")
 
     # -- plumbing ------------------------------------------------------------------------
     def _active(self, trainer: L.Trainer) -> bool:
@@ -209,6 +210,8 @@ class WandbDashboard(L.Callback):
         from lightning.pytorch.loggers import WandbLogger
 
         self._loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if self._loggers:  # every rank: trainer.log_dir is a collective
+            self._dir = Path(trainer.log_dir or trainer.default_root_dir)
         if self.table_every is not None:
             self._every = self.table_every
         else:
@@ -219,9 +222,8 @@ class WandbDashboard(L.Callback):
     def _new_relay_records(self, trainer: L.Trainer) -> list[dict[str, Any]]:
         import json
 
-        root = Path(trainer.log_dir or trainer.default_root_dir)
         out = []
-        for path in sorted(root.glob("relays*.jsonl")):
+        for path in sorted(self._dir.glob("relays*.jsonl")):
             start = self._offsets.get(str(path), 0)
             with path.open("rb") as f:
                 f.seek(start)
