@@ -12,7 +12,8 @@
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
   W&B by config (``--config configs/logger/wandb.yaml``): a config's W&B logger runs as
   ``salvage.loggers.WandbLogger`` and always beside a CSV logger, which comes first and names
-  the run directory (W&B's files go there too); ``WandbDashboard`` adds tables and plots.
+  the run directory (W&B's files go there too); ``WandbDashboard`` (always on unless the
+  config lists its own) adds tables and plots.
 - Always on: ``CostTracker`` (GPU-hours), ``CheckpointCost`` (GPU-hours through each model's
   best validation, and the joint cost; printed by ``salvage test``) and ``RunSummary`` (a table at the end of fit);
   unless the config has its own ``ModelCheckpoint``, ``last.ckpt`` is refreshed after every
@@ -180,6 +181,10 @@ class SalvageCLI(LightningCLI):
             callbacks = [
                 *callbacks,
                 ModelCheckpoint(save_last=True, every_n_train_steps=1, save_top_k=0),
+            ]
+        if any(isinstance(c, WandbDashboard) for c in cbs):  # the config's own, configured one
+            self.trainer_defaults["callbacks"] = [
+                c for c in self.trainer_defaults["callbacks"] if not isinstance(c, WandbDashboard)
             ]
         callbacks = [*callbacks, RunConfigRecorder(getattr(self, "_run_config_yaml", ""))]
         if config.get("enable_progress_bar", True) is not False and not any(

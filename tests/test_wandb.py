@@ -349,6 +349,7 @@ def test_a_wandb_failure_is_one_warning_and_the_run_goes_on_in_csv(
 def test_lightnings_wandb_logger_in_a_config_runs_as_salvages_beside_a_csv_logger(
     wandb_env, tmp_path
 ):
+    from salvage.callbacks.dashboard import WandbDashboard
     from salvage.cli import SalvageCLI
     from salvage.loggers import SafeCSVLogger, WandbLogger
 
@@ -361,6 +362,8 @@ def test_lightnings_wandb_logger_in_a_config_runs_as_salvages_beside_a_csv_logge
             "{class_path: lightning.pytorch.loggers.WandbLogger, init_args: {project: p}}",
             "--trainer.default_root_dir",
             str(run),
+            "--trainer.callbacks",
+            "[{class_path: salvage.callbacks.dashboard.WandbDashboard, init_args: {table_every: 3}}]",
         ],
         run=False,
         subclass_mode_model=True,
@@ -372,6 +375,9 @@ def test_lightnings_wandb_logger_in_a_config_runs_as_salvages_beside_a_csv_logge
     assert wb.name == "p" and wandb.run is None  # W&B starts with the trainer, not before
     # the CSV logger names the run dir: config.yaml, checkpoints and W&B's files go there
     assert Path(cli.trainer.log_dir) == run / "version_0"
+    # a config's own dashboard replaces the default one (tables would be logged twice)
+    boards = [c for c in cli.trainer.callbacks if isinstance(c, WandbDashboard)]
+    assert [b.table_every for b in boards] == [3]
 
 
 def test_eval_rows_per_model_and_benchmark_with_the_std_over_repeats():
