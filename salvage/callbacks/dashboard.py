@@ -153,6 +153,16 @@ def eval_rows(metrics: dict[str, float]) -> list[list[Any]]:
     return rows
 
 
+def _incremental_table(columns: list[str]) -> Any:
+    """An empty W&B table that logs only its new rows each time (None: W&B too old)."""
+    import wandb
+
+    try:
+        return wandb.Table(columns=columns, log_mode="INCREMENTAL", allow_mixed_types=True)
+    except (AssertionError, TypeError, ValueError):
+        return None
+
+
 class WandbDashboard(L.Callback):
     """Tables, report plots and the run summary of a run into its W&B logger (if any).
 
@@ -163,7 +173,9 @@ class WandbDashboard(L.Callback):
             within 100 flushes, W&B shows the latest 100 increments of a table; at least 1).
     """
 
-    def __init__(self, tables: bool = True, report: bool = True, table_every: int | None = None):
+    def __init__(
+        self, tables: bool = True, report: bool = True, table_every: int | None = None
+    ) -> None:
         if table_every is not None and table_every < 1:
             raise ValueError(f"WandbDashboard.table_every must be >= 1, got {table_every}")
         self.tables = tables
@@ -210,6 +222,8 @@ class WandbDashboard(L.Callback):
         from lightning.pytorch.loggers import WandbLogger
 
         self._loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        self._tables, self._offsets, self._since_flush = {}, {}, 0  # a new stage, a new W&B run
+        self._pending = {RELAY_KEY: [], EXCHANGE_KEY: []}
         if self._loggers:  # every rank: trainer.log_dir is a collective
             self._dir = Path(trainer.log_dir or trainer.default_root_dir)
         if self.table_every is not None:
@@ -268,9 +282,11 @@ class WandbDashboard(L.Callback):
                     return
                 table = self._tables.get(key)
                 if table is None:
-                    table = self._tables[key] = wandb.Table(
-                        columns=columns, log_mode="INCREMENTAL", allow_mixed_types=True
-                    )
+                    table = _incremental_table(columns)
+                    if table is None:  # a W&B without incremental tables: each flush its own
+                        table = wandb.Table(columns=columns, allow_mixed_types=True)
+                    else:
+                        self._tables[key] = table
                 for r in new:
                     table.add_data(*r)
                 lg.log_metrics({key: table}, step=step)
@@ -278,6 +294,13 @@ class WandbDashboard(L.Callback):
                     lg.mark_logged(key, max(r[0] for r in new))
 
             self._each(f"while logging the {key} table", log)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """A crashing fit still sends the rows it has (they are in the jsonl files too)."""
+        if self.tables and self._active(trainer) and trainer.state.fn == "fit":
+            self.flush(max(0, trainer.global_step - 1))
 
     # -- end of a stage ------------------------------------------------------------------
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
