@@ -120,10 +120,18 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def cli(args: list[str], capsys) -> str:
-    """``salvage`` in this process; asserts exit 0 and returns stderr."""
+    """``salvage`` in this process; asserts exit 0 and returns stderr.
+
+    ``wandb.teardown()`` afterwards, as the end of a process would: the W&B service has
+    written every record before the test reads them, and the next run reads its settings
+    (``WANDB_RUN_GROUP``, ...) from the environment afresh.
+    """
     from salvage.cli import main
 
-    main(args)
+    try:
+        main(args)
+    finally:
+        wandb.teardown()
     return capsys.readouterr().err
 
 
