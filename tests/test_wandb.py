@@ -351,6 +351,7 @@ def test_a_wandb_failure_is_one_warning_and_the_run_goes_on_in_csv(
     assert [int(r["step"]) for r in rows] == [0, 1] and all(r["loss/policy"] for r in rows)
     assert (run / "version_0" / "checkpoints" / "last.ckpt").is_file()
     assert wandb.run is None
+    assert not (run / "report").exists()  # no plots rendered for a W&B that is off
 
 
 # ---- wiring and helpers (no training) -------------------------------------------------------

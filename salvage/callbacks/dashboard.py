@@ -192,7 +192,9 @@ class WandbDashboard(L.Callback):
 
     # -- plumbing ------------------------------------------------------------------------
     def _active(self, trainer: L.Trainer) -> bool:
-        return bool(self._loggers) and trainer.global_rank == 0
+        """Rank 0 with a W&B logger that has not failed."""
+        live = [lg for lg in self._loggers if not getattr(lg, "failed", False)]
+        return bool(live) and trainer.global_rank == 0
 
     def _fail(self, lg: Any, where: str, exc: BaseException) -> None:
         fail = getattr(lg, "fail", None)
