@@ -10,7 +10,10 @@
   ablation fragment changes only it (``trainer.callbacks`` lists replace each other).
 - omegaconf parser mode: YAMLs may interpolate (``${data.group_size}``).
 - Default logger: CSV under ``trainer.default_root_dir`` (``version_N/metrics.csv``);
-  W&B by config (``trainer.logger: lightning.pytorch.loggers.WandbLogger``).
+  W&B by config (``--config configs/logger/wandb.yaml``): a config's W&B logger runs as
+  ``salvage.loggers.WandbLogger`` and always beside a CSV logger, which comes first and names
+  the run directory (W&B's files go there too); ``WandbDashboard`` (always on unless the
+  config lists its own) adds tables and plots.
 - Always on: ``CostTracker`` (GPU-hours), ``CheckpointCost`` (GPU-hours through each model's
   best validation, and the joint cost; printed by ``salvage test``) and ``RunSummary`` (a table at the end of fit);
   unless the config has its own ``ModelCheckpoint``, ``last.ckpt`` is refreshed after every
@@ -35,8 +38,11 @@ from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
+from salvage.callbacks.dashboard import WandbDashboard  # noqa: E402
 from salvage.callbacks.repeats import RepeatTable, repeats_argv  # noqa: E402
 from salvage.callbacks.summary import RunSummary  # noqa: E402
 from salvage.checkpointing import (  # noqa: E402
@@ -47,7 +53,7 @@ from salvage.checkpointing import (  # noqa: E402
     find_last_checkpoint,
 )
 from salvage.errors import ConfigError, SalvageError  # noqa: E402
-from salvage.loggers import SafeCSVLogger  # noqa: E402
+from salvage.loggers import SafeCSVLogger, WandbLogger  # noqa: E402
 
 # dataclass fields document themselves with a string under the field: show it in --help
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -76,7 +82,13 @@ class SalvageCLI(LightningCLI):
                 "num_sanity_val_steps": 0,
                 "log_every_n_steps": 1,
                 "enable_model_summary": False,
-                "callbacks": [CostTracker(), CheckpointCost(), RunSummary(), RepeatTable()],
+                "callbacks": [
+                    CostTracker(),
+                    CheckpointCost(),
+                    RunSummary(),
+                    RepeatTable(),
+                    WandbDashboard(),
+                ],
             },
         )
         super().__init__(*args, **kwargs)
@@ -108,6 +120,7 @@ class SalvageCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Checks that need no weights: max_steps, the run dir, a resume's config."""
         sub = self.subcommand
+        upgrade_wandb_logger((self.config[sub] if sub else self.config).get("trainer") or {})
         if sub is None:
             return
         if sub == "fit":  # refused before anything is built
@@ -169,6 +182,10 @@ class SalvageCLI(LightningCLI):
                 *callbacks,
                 ModelCheckpoint(save_last=True, every_n_train_steps=1, save_top_k=0),
             ]
+        if any(isinstance(c, WandbDashboard) for c in cbs):  # the config's own, configured one
+            self.trainer_defaults["callbacks"] = [
+                c for c in self.trainer_defaults["callbacks"] if not isinstance(c, WandbDashboard)
+            ]
         callbacks = [*callbacks, RunConfigRecorder(getattr(self, "_run_config_yaml", ""))]
         if config.get("enable_progress_bar", True) is not False and not any(
             isinstance(c, ProgressBar) for c in cbs
@@ -184,10 +201,46 @@ class SalvageCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         cfg = self._get(self.config_init, "trainer", default={})
-        if cfg.get("logger") in (None, True):
-            root = cfg.get("default_root_dir") or os.path.join("runs", "salvage")
+        root = cfg.get("default_root_dir") or os.path.join("runs", "salvage")
+        logger = cfg.get("logger")
+        if logger in (None, True):
             kwargs["logger"] = SafeCSVLogger(save_dir=root, name="", flush_logs_every_n_steps=1)
+        elif logger is not False:
+            loggers = logger if isinstance(logger, list) else [logger]
+            if any(isinstance(lg, LightningWandbLogger) for lg in loggers):
+                kwargs["logger"] = self._with_csv(loggers, root)
         return super().instantiate_trainer(**kwargs)
+
+    def _with_csv(self, loggers: list[Any], root: str) -> list[Any]:
+        """W&B beside a CSV logger, the CSV logger first: it names the run directory
+        (``RUN/version_N``: checkpoints, ``config.yaml``, ``metrics.csv``, and W&B's files),
+        and it keeps every metric when W&B fails."""
+        csv = next((lg for lg in loggers if isinstance(lg, CSVLogger)), None)
+        if csv is None:
+            csv = SafeCSVLogger(save_dir=root, name="", flush_logs_every_n_steps=1)
+        ckpt = self._get(self.config_init, "ckpt_path")
+        config_yaml = getattr(self, "_run_config_yaml", None)
+        for lg in loggers:
+            if isinstance(lg, WandbLogger):
+                lg.bind(lambda: csv.log_dir, ckpt, config_yaml)
+        return [csv, *(lg for lg in loggers if lg is not csv)]
+
+
+_LIGHTNING_WANDB = {
+    "lightning.pytorch.loggers.WandbLogger",
+    "lightning.pytorch.loggers.wandb.WandbLogger",
+    "pytorch_lightning.loggers.WandbLogger",
+    "pytorch_lightning.loggers.wandb.WandbLogger",
+}
+
+
+def upgrade_wandb_logger(trainer_cfg: Any) -> None:
+    """A config's Lightning ``WandbLogger`` runs as ``salvage.loggers.WandbLogger`` (a subclass
+    taking the same arguments): the update axis, the run directory, resumes, no failed runs."""
+    logger = trainer_cfg.get("logger")
+    for lg in logger if isinstance(logger, list) else [logger]:
+        if hasattr(lg, "get") and lg.get("class_path") in _LIGHTNING_WANDB:
+            lg.class_path = "salvage.loggers.WandbLogger"
 
 
 def check_max_steps(max_steps: Any) -> None:

@@ -41,10 +41,10 @@ one Ray task each (``--backend ray``; resources from ``ray_resources`` or else f
 config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda, or auto on
 a cluster with GPUs; the study dir must be on a filesystem every Ray node sees). Each run's environment sets
 ``WANDB_RUN_GROUP`` = study name, ``WANDB_JOB_TYPE`` = method and ``WANDB_NAME`` =
-``<method>-seed<k>``, so W&B overlays the methods of a study without set-up. ``salvage
-compare`` reads the CSV logger's ``metrics.csv``: a config whose ``trainer.logger`` is W&B
-alone leaves nothing to compare; give a list with both loggers
-(``lightning.pytorch.loggers.CSVLogger`` and ``WandbLogger``).
+``<method>-seed<k>``, so W&B overlays the methods of a study without set-up (add
+``--config configs/logger/wandb.yaml`` to ``base``; ``wandb.init`` reads these variables,
+and a ``group`` / ``job_type`` set in the config wins). ``salvage compare`` reads the CSV
+logger's ``metrics.csv``, which ``salvage fit`` keeps beside a W&B logger.
 """
 
 from __future__ import annotations

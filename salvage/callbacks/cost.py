@@ -124,17 +124,27 @@ class CheckpointCost(L.Callback):
             table.add_column(col, justify="left" if col == "model" else "right")
         if not self.best:
             table.add_row("-", "no validation recorded in this checkpoint", "", "")
-        for name, (score, step, hours) in sorted(self.best.items()):
-            table.add_row(name, f"{score:.4f}", str(step), f"{hours:.4g}")
+        for name, score, step, hours in self.rows():
+            table.add_row(name, "" if score is None else f"{score:.4f}", str(step), f"{hours:.4g}")
+        Console().print(table)
+
+    def rows(self) -> list[tuple[str, float | None, int, float]]:
+        """(model, best score, its step, GPU-hours through it) per model, then the joint cost
+        (the later of the two) when there are two models."""
+        out: list[tuple[str, float | None, int, float]] = [
+            (name, score, step, hours) for name, (score, step, hours) in sorted(self.best.items())
+        ]
         if len(self.best) > 1:
             c = checkpoint_costs(self.best)
-            table.add_row(
-                "joint (later of the two)",
-                "",
-                str(int(c["cost/joint_ckpt_step"])),
-                f"{c['cost/joint_ckpt_gpu_hours']:.4g}",
+            out.append(
+                (
+                    "joint (later of the two)",
+                    None,
+                    int(c["cost/joint_ckpt_step"]),
+                    c["cost/joint_ckpt_gpu_hours"],
+                )
             )
-        Console().print(table)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": {k: list(v) for k, v in self.best.items()}}

@@ -52,6 +52,10 @@ class RunSummary(L.Callback):
             if k in m:
                 self.history[k].append(float(m[k]))
 
+    def rows(self) -> list[tuple[str, float, float, float]]:
+        """(metric, first, last, mean) of every key the run logged, in ``keys`` order."""
+        return [(k, v[0], v[-1], sum(v) / len(v)) for k, v in self.history.items() if v]
+
     @rank_zero_only
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from rich.console import Console
@@ -60,11 +64,8 @@ class RunSummary(L.Callback):
         table = Table(title=f"salvage run summary ({trainer.global_step} updates)")
         for col in ("metric", "first", "last", "mean"):
             table.add_column(col, justify="right" if col != "metric" else "left")
-        for k, vals in self.history.items():
-            if vals:
-                table.add_row(
-                    k, f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{sum(vals) / len(vals):.4g}"
-                )
+        for k, first, last, mean in self.rows():
+            table.add_row(k, f"{first:.4g}", f"{last:.4g}", f"{mean:.4g}")
         console = Console()
         console.print(table)
         for cb in trainer.callbacks:  # stages that name themselves (e.g. the VH-GPO teacher)
