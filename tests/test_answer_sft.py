@@ -42,7 +42,7 @@ def _nll(module, pairs) -> float:
     return float(-seq_mean_logprob(lp, count).mean())
 
 
-def test_answer_sft_trains_only_its_graft_model_on_its_slice_and_resets_its_reference():
+def test_answer_sft_trains_only_its_graft_model_on_its_slice_and_resets_its_reference(tmp_path):
     module = GRAFTModule(
         policy_a=PolicySpec("tiny", vocab_size=768),
         policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
@@ -67,6 +67,7 @@ def test_answer_sft_trains_only_its_graft_model_on_its_slice_and_resets_its_refe
         enable_model_summary=False,
         enable_checkpointing=False,
         callbacks=[sft],
+        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=data)
     # the pooled training split holds both slices, labelled by source
@@ -92,7 +93,7 @@ def test_answer_sft_trains_only_its_graft_model_on_its_slice_and_resets_its_refe
     assert text.startswith("\\boxed{") and text.endswith("}"), text
 
 
-def test_answer_sft_refuses_bad_settings_naming_them():
+def test_answer_sft_refuses_bad_settings_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="template"):
         AnswerSFT(template="\\boxed{}")
     module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-12, num_minibatches=1)
@@ -105,6 +106,7 @@ def test_answer_sft_refuses_bad_settings_naming_them():
         enable_model_summary=False,
         enable_checkpointing=False,
         callbacks=[AnswerSFT(learner="a", steps=1)],
+        default_root_dir=tmp_path,
     )
     with pytest.raises(ConfigError, match="learner='a'.*single policy"):
         trainer.fit(module, datamodule=data)
