@@ -272,3 +272,43 @@ def test_every_state_known_failed_discards_without_rollouts():
 def test_search_switch_is_validated():
     with pytest.raises(ValueError, match="relay.search='bisect' must be one of"):
         RelayConfig(search="bisect")
+
+
+def test_known_failure_that_the_student_contradicts_hands_off_later():
+    # Two of the group's episodes took the teacher's first step and failed from s_1 (known
+    # failure 1), yet a fresh continuation from s_1 would succeed (success from j >= 1): the
+    # prior takes the group's word.
+    # paper: 3S 2S 0F, scan 1S -> j* = 1; monotone: 3S 2S, bracket (1, 2) closed -> j* = 2.
+    rec = ["p0", "p1", "p2", "p3"]
+    group = [["p0", "x"], ["p0", "y"]]
+    p, _, _ = run(4, threshold(1), "paper", group_paths=group, recovery_path=rec)
+    m, disc, _ = run(4, threshold(1), "monotone", group_paths=group, recovery_path=rec)
+    assert p.j_star == 1 and m.known_failure == 1 and disc == [(3, 1), (2, 1)]
+    assert m.j_star == 2 and m.retained
+
+
+@pytest.mark.parametrize("k", [0, 2, 4, 7, 10])
+def test_paper_ignores_the_group_episodes(k):
+    # relay.search: paper asks for exactly the same requests with or without group paths
+    group = [["p0", "x"], ["p0", "y"], ["p0", "z"]]
+    rec = [f"p{i}" for i in range(10)]
+    logs = []
+    for gp in ((), group):
+        cfg = RelayConfig()
+        _, log = drive(
+            relay_search(["x"] * 50, [0], cfg, random.Random(0), group_paths=gp),
+            teacher=lambda r: [Outcome(True, n_actions=10, path=rec), Outcome(False)],
+            student=lambda r: [Outcome(r.j >= k, 2, 5, sd) for sd in r.seeds],
+        )
+        logs.append(
+            [
+                (
+                    type(r).__name__,
+                    getattr(r, "kind", ""),
+                    r.j if hasattr(r, "j") else r.anchor,
+                    getattr(r, "seeds", []),
+                )
+                for r in log
+            ]
+        )
+    assert logs[0] == logs[1]

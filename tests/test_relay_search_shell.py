@@ -46,8 +46,8 @@ def test_scripted_end_to_end_paper_and_monotone(tmp_path):
 
 
 def test_cli_twx_tiny_monotone_search(tmp_path):
-    """A 2-update CLI fit of configs/vhgpo/twx_tiny.yaml with the switch on the command line
-    (the full config with its SFT warm start: 9 min under load here, see the report)."""
+    """A 2-update CLI fit of configs/vhgpo/twx_tiny.yaml with the switch on the command line,
+    without its SFT warm start (the records are under test, not the student)."""
     pytest.importorskip(
         "textworld_express", reason="textworld-express (extra twx) is not installed"
     )
@@ -67,7 +67,7 @@ def test_cli_twx_tiny_monotone_search(tmp_path):
             "--rescue.init_args.relay.search",
             "monotone",
             "--trainer.callbacks",
-            "[]",  # no SFT warm start: the records, not the student, are under test
+            "[]",
             "--trainer.max_steps",
             "2",
             "--trainer.default_root_dir",
