@@ -269,6 +269,17 @@ def test_every_state_known_failed_discards_without_rollouts():
     assert m.known_failure == 1
 
 
+def test_every_result_names_its_search():
+    # a group discarded before discovery (no teacher recovery) still says which search ran
+    cfg = RelayConfig(search="monotone")
+    res, _ = drive(
+        relay_search(["x"] * 5, [2, 0], cfg, random.Random(0)),
+        teacher=lambda r: [Outcome(False)] * len(r.seeds),
+        student=lambda r: [],
+    )
+    assert not res.retained and res.search == "monotone" and res.discovery_rollouts == 0
+
+
 def test_search_switch_is_validated():
     with pytest.raises(ValueError, match="relay.search='bisect' must be one of"):
         RelayConfig(search="bisect")

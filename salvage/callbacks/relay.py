@@ -393,6 +393,7 @@ class VerifiedHandoff(RescueCallback):
                         "task": g.task_id,
                         "retained": False,
                         "reason": "no eligible backbone with a t=0 candidate",
+                        "search": self.cfg.search,
                     },
                 )
                 continue

@@ -492,7 +492,7 @@ def relay_search(
     (``Outcome.path`` items) from the initial state, for ``relay.search: monotone``'s free
     failures (``known_failure``); unused by ``paper``.
     """
-    res = RelayResult(retained=False, anchors_tried=[])
+    res = RelayResult(retained=False, anchors_tried=[], search=cfg.search)
     teacher_seed = seed + _TEACHER_STREAM
     # -- teacher recovery, anchor by anchor
     for a in anchors:
@@ -523,7 +523,6 @@ def relay_search(
 
     # -- discovery (student continuations from recovery states)
     dseeds = [seed + _DISCOVERY_STREAM + k for k in range(cfg.discovery_budget)]
-    res.search = cfg.search
     if cfg.search == "monotone":
         res.known_failure = known_failure(
             list(backbone_path[: res.anchor]),
