@@ -278,6 +278,11 @@ class RescueCallback(L.Callback):
         return models + ([teacher] if teacher is not None else [])
 
 
+def _path(e: Episode) -> list[tuple[str, str]]:
+    """The episode's steps as (action, observation after it): what identifies a state here."""
+    return list(zip(e.actions, e.observations[1:], strict=False))
+
+
 def _outcome(e: Episode, seed: int) -> Outcome:
     return Outcome(
         success=e.won,
@@ -286,6 +291,7 @@ def _outcome(e: Episode, seed: int) -> Outcome:
         seed=seed,
         restored=bool(e.observations),
         ref=e,
+        path=_path(e),
     )
 
 
@@ -342,7 +348,7 @@ class VerifiedHandoff(RescueCallback):
         who = "oracle (environment expert)" if t.kind == "oracle" else f"lm {t.policy.name_or_path}"
         return (
             f"rescue: {type(self).__name__} (handoff={self.cfg.handoff}, "
-            f"anchor_order={self.cfg.anchor_order}), teacher: {who}"
+            f"anchor_order={self.cfg.anchor_order}, search={self.cfg.search}), teacher: {who}"
         )
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -387,6 +393,7 @@ class VerifiedHandoff(RescueCallback):
                         "task": g.task_id,
                         "retained": False,
                         "reason": "no eligible backbone with a t=0 candidate",
+                        "search": self.cfg.search,
                     },
                 )
                 continue
@@ -394,12 +401,19 @@ class VerifiedHandoff(RescueCallback):
             anchors = anchor_schedule(depths, self.cfg.stride, self.cfg.max_backtracks)
             if self.cfg.anchor_order == "random":
                 anchors = random_anchor_order(anchors, rng)
+            start_obs = eps[idx].observations[:1]
             gen = relay_search(
                 eps[idx].actions,
                 anchors,
                 self.cfg,
                 rng,
                 seed=step_seed(self.seed, trainer.global_step, 11) + 10_007 * gi,
+                group_paths=[  # monotone search: the group's failed episodes, same start
+                    _path(e)
+                    for e in eps
+                    if not e.won and e.error is None and e.observations[:1] == start_obs
+                ],
+                backbone_path=_path(eps[idx]),
             )
             s = _Search(gi, g, eps[idx], gen)
             s.req = next(gen)
@@ -582,6 +596,9 @@ class VerifiedHandoff(RescueCallback):
             "teacher_attempts": r.teacher_attempts,
             "discovery_rollouts": r.discovery_rollouts,
             "confirm_rollouts": r.confirm_rollouts,
+            "search": r.search,
+            "known_failure": r.known_failure,
+            "student_rollouts": r.discovery_rollouts + r.confirm_rollouts,
             "tokens": {
                 "teacher": r.teacher_tokens,
                 "search": r.search_tokens,

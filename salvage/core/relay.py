@@ -22,7 +22,11 @@ sources are silent) is a ``RelayConfig`` switch, named where it is implemented:
   recovery (default ``discard``) or hands off at ``j_early`` (``j_early``);
 - ``pair_walk``: the pair walk covers the bridge (default ``bridge``, SPEC §2.3) or the whole
   teacher recovery (``recovery``); either way it stops where the backbone ends (a pair
-  needs the student's action at that turn, so there is no alternative there).
+  needs the student's action at that turn, so there is no alternative there);
+- ``search``: how discovery and refinement pick the states to test (beyond the paper,
+  ``docs/search.md``): ``paper`` (default, SPEC §2.2) or ``monotone`` (``discovery_monotone``:
+  one continuation at a time, the group's own failed episodes as free failures, bisection
+  between a failure and a success). Confirmation and replay are the same for both.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ ANCHOR_ORDER = ("schedule", "random")
 TEACHER_TIE_BREAK = ("first", "tokens")
 RANDOM_FALLBACK = ("discard", "j_early")
 PAIR_WALK = ("bridge", "recovery")
+SEARCH = ("paper", "monotone")
 RANDOM_EMPTY = "random handoff: no discovery success besides j_early"
 
 # seed streams: discovery and confirmation never share a seed
@@ -88,6 +93,13 @@ class RelayConfig:
     """How far the pair's first-divergence walk goes: ``bridge`` (SPEC §2.3: teacher actions
     up to j*) or ``recovery`` (ours: the whole teacher recovery, so a bridge equal to the
     backbone still yields a pair when they diverge after j*)."""
+    search: str = "paper"
+    """Handoff search before confirmation: ``paper`` (SPEC §2.2: backward exponential jumps, then
+    a step-by-step scan up from the first failure) or ``monotone`` (ours, docs/search.md: the
+    same jumps under a monotonicity prior; continuations one at a time, a test stops at its
+    first success; states the group's own failed episodes continued from at least
+    ``discovery_rollouts`` times count as failures without rollouts; bisection between the
+    deepest failure and the earliest success). Same budget, same confirmation and replay."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, val: Any, why: str) -> None:
@@ -135,6 +147,7 @@ class RelayConfig:
         need(
             self.pair_walk in PAIR_WALK, "pair_walk", self.pair_walk, f"must be one of {PAIR_WALK}"
         )
+        need(self.search in SEARCH, "search", self.search, f"must be one of {SEARCH}")
         need(
             self.partial_tests or self.discovery_budget >= self.discovery_rollouts,
             "discovery_budget",
@@ -197,6 +210,9 @@ class Outcome:
     """False when the start state failed to restore (the rollout never ran)."""
     ref: Any = None
     """Opaque handle of the shell (e.g. its episode), passed through untouched."""
+    path: list[Any] = field(default_factory=list)
+    """The rollout's steps as comparable items (the shell: (action, observation) pairs); the
+    ``monotone`` search matches a teacher recovery's path against the group's own episodes."""
 
 
 @dataclass
@@ -223,6 +239,10 @@ class RelayResult:
     confirm_tokens: int = 0
     random_fallback: bool = False
     """Random Verified Handoff found S minus j_early empty (``relay.random_fallback`` applied)."""
+    search: str = "paper"
+    """The search strategy that ran (``relay.search``)."""
+    known_failure: int | None = None
+    """``monotone``: the deepest recovery index the group's own episodes showed as a failure."""
 
 
 # --------------------------------------------------------------------------- pieces
@@ -364,19 +384,115 @@ def discovery(
     return tested
 
 
+def known_failure(
+    prefix: Sequence[Any],
+    recovery_path: Sequence[Any],
+    group_paths: Sequence[Sequence[Any]],
+    L: int,
+    need: int,
+) -> int | None:
+    """Deepest recovery index j < L whose state the group's own failed episodes left >= need times.
+
+    ``prefix``: the backbone's path up to the anchor; ``recovery_path``: the teacher recovery's
+    path from the anchor; ``group_paths``: the paths, from the initial state, of the group's
+    failed episodes (the backbone included). An episode whose path starts with
+    ``prefix + recovery_path[:j]`` and goes on past it passed through s_j and then failed: one
+    free continuation of the behaviour policy from s_j with s_j's remaining budget, the very
+    thing a discovery rollout draws. ``need`` such failures (``discovery_rollouts``) make s_j a
+    discovery failure at no cost (ours, ``relay.search: monotone``; docs/search.md).
+    """
+    a = len(prefix)
+    best = None
+    for j in range(L):
+        p = list(prefix) + list(recovery_path[:j])
+        n = sum(1 for g in group_paths if len(g) > a + j and list(g[: a + j]) == p)
+        if n >= need:
+            best = j
+        else:  # the episodes that leave s_{j+1} all left s_j first: counts never grow
+            break
+    return best
+
+
+def discovery_monotone(
+    L: int,
+    cfg: RelayConfig,
+    seeds: list[int],
+    recovery: Outcome | None = None,
+    known_fail: int | None = None,
+) -> Generator[StudentRequest, list[Outcome], dict[int, bool]]:
+    """``relay.search: monotone`` (ours, docs/search.md). Yields student requests; returns
+    {j: success} of the tested states, like ``discovery``.
+
+    A monotonicity prior: success from s_j makes success from any later state of the same
+    recovery likely, failure from s_j failure from any earlier one. Same budget and the same
+    test as SPEC §2.2 (a state is tested only when the budget holds its full
+    ``discovery_rollouts``; it is a success when one continuation succeeds), but:
+    1. a test asks for one continuation at a time and stops at its first success (the answer
+       is the same as asking for all at once; the rollouts it did not need stay in the budget);
+    2. ``known_fail`` (``known_failure``: the group's own episodes) is a failure at no cost, and
+       by the prior so is every earlier state;
+    3. the backward jumps L-1, L-2, L-4, ... stop at the first failure or at ``known_fail``;
+       then bisection between the deepest failure ``lo`` and the earliest success ``hi``
+       (mid = (lo + hi) // 2) instead of the step-by-step scan up from ``lo``.
+    """
+    budget = cfg.discovery_budget
+    tested: dict[int, bool] = {}
+
+    def can_test() -> bool:
+        return budget >= (1 if cfg.partial_tests else cfg.discovery_rollouts)
+
+    def test(j: int):  # noqa: ANN202 - a sub-generator
+        nonlocal budget
+        n = min(cfg.discovery_rollouts, budget)
+        ok = False
+        for _ in range(n):
+            outs = yield StudentRequest("discovery", j, [seeds.pop(0)], recovery)
+            budget -= 1
+            if any(o.restored and o.success for o in outs):
+                ok = True
+                break
+        tested[j] = ok
+        return ok
+
+    lo = -1 if known_fail is None else known_fail  # deepest failure (-1: none yet)
+    hi = L  # earliest success (L: the teacher's terminal state)
+    for j in backward_jumps(L):
+        if j <= lo:
+            break
+        if not can_test():
+            return tested
+        if (yield from test(j)):
+            hi = j
+        else:
+            lo = j
+            break
+    while hi - lo > 1 and lo >= 0 and can_test():
+        mid = (lo + hi) // 2
+        if (yield from test(mid)):
+            hi = mid
+        else:
+            lo = mid
+    return tested
+
+
 def relay_search(
     backbone_actions: Sequence[str],
     anchors: Sequence[int],
     cfg: RelayConfig,
     rng: random.Random,
     seed: int = 0,
+    group_paths: Sequence[Sequence[Any]] = (),
+    backbone_path: Sequence[Any] = (),
 ) -> Search:
     """The full search for one selected group, from its anchor list to a retained relay.
 
     ``backbone_actions``: the failed backbone's executed actions (for the pair walk).
     ``anchors``: the schedule (``anchor_schedule``; permuted for Random Anchor Order).
+    ``group_paths``, ``backbone_path``: the group's failed episodes' and the backbone's paths
+    (``Outcome.path`` items) from the initial state, for ``relay.search: monotone``'s free
+    failures (``known_failure``); unused by ``paper``.
     """
-    res = RelayResult(retained=False, anchors_tried=[])
+    res = RelayResult(retained=False, anchors_tried=[], search=cfg.search)
     teacher_seed = seed + _TEACHER_STREAM
     # -- teacher recovery, anchor by anchor
     for a in anchors:
@@ -407,7 +523,17 @@ def relay_search(
 
     # -- discovery (student continuations from recovery states)
     dseeds = [seed + _DISCOVERY_STREAM + k for k in range(cfg.discovery_budget)]
-    gen = discovery(L, cfg, dseeds, res.recovery)
+    if cfg.search == "monotone":
+        res.known_failure = known_failure(
+            list(backbone_path[: res.anchor]),
+            res.recovery.path,
+            group_paths,
+            L,
+            cfg.discovery_rollouts,
+        )
+        gen = discovery_monotone(L, cfg, dseeds, res.recovery, res.known_failure)
+    else:
+        gen = discovery(L, cfg, dseeds, res.recovery)
     tested: dict[int, bool]
     try:
         req = next(gen)
