@@ -228,6 +228,9 @@ class GRAFTModule(L.LightningModule):
     def inference_models(self) -> list[torch.nn.Module]:
         return self.a.inference_models() + self.b.inference_models()
 
+    def sampling_models(self) -> list[torch.nn.Module]:
+        return self.a.sampling_models() + self.b.sampling_models()
+
     def configure_optimizers(self) -> Any:
         return [self.a.configure_optimizers(), self.b.configure_optimizers()]
 
