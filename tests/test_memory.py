@@ -29,8 +29,9 @@ S = Shape(params=1000, layers=2, hidden=4, intermediate=8, kv_dim=2, vocab=10)
 
 
 def test_terms_by_hand():
-    # per layer (1000 - 10 x 4) / 2 = 480
-    assert S.layer_params == 480
+    # per layer 2 x 4 x 4 (q, o) + 2 x 4 x 2 (k, v) + 3 x 4 x 8 (SwiGLU) + 2 x 4 (norms) = 152;
+    # 1000 - 2 x 152 = 696 left: over 1.5 vocabulary matrices (60), so not tied
+    assert S.layer_params == 152 and not S.tied
     # 3 sequences x 5 tokens x 2 layers x (K and V) x 2 wide x 2 bytes = 240
     assert kv_cache_bytes(S, 3, 5, 2) == 240
     # 2 bytes x (10 x 4 + 2 x 2 + 4 x 8) + 4 bytes x 2 x 4 = 2 x 76 + 32 = 184
@@ -66,17 +67,17 @@ def test_sharded_policy_with_hf_engine_by_hand():
         "policy KV cache": 240,
         "scoring logits": 500,
     }
-    # update: shard 2000, AdamW 4000, gradients 2000, two gathered layers 2 x 480 x 2 = 1920,
-    # activations of 2 x 5 tokens 3680, logits 2 x 5 x 10 x (2 + 4) = 600: 14200
+    # update: shard 2000, AdamW 4000, gradients 2000, two gathered layers 2 x 152 x 2 = 608,
+    # activations of 2 x 5 tokens 3680, logits 2 x 5 x 10 x (2 + 4) = 600: 12888
     assert got["update"] == {
         "policy weights": 2000,
         "policy AdamW state": 4000,
         "policy gradients": 2000,
-        "policy gathered layers": 1920,
+        "policy gathered layers": 608,
         "policy activations": 3680,
         "policy logits": 600,
     }
-    assert peak(got) == ("update", 14200)
+    assert peak(got) == ("update", 12888)
     # reshard_after_forward off: the whole model stays gathered in the update (1000 x 2)
     whole = estimate(dataclasses.replace(plan, reshard_after_forward=False))
     assert whole["update"]["policy gathered layers"] == 2000
@@ -164,10 +165,10 @@ def test_print_memory_prints_and_exits_before_loading(capsys, monkeypatch):
 def test_update_flops_by_hand():
     from salvage.core.flops import forward_flops, mfu, update_flops
 
-    # matmuls 2 x (2 layers x 480 + 10 x 4) x 3 tokens = 2 x 1000 x 3 = 6000; attention
-    # 2 layers x 2 x 4 wide x 3 x (3 + 1) = 192 (positions 1, 2, 3: 4 x 4 x (1 + 2 + 3) x 2)
-    assert forward_flops(S, 3) == 6192
+    # matmuls 2 x (2 layers x 152 + LM head 10 x 4) x 3 tokens = 2 x 344 x 3 = 2064; attention
+    # 2 layers x 2 x 4 wide x 3 x (3 + 1) = 192 (positions 1, 2, 3: 2 x 2 x 4 x (1 + 2 + 3) x 2)
+    assert forward_flops(S, 3) == 2256
     # forward + backward (3 forwards) + recompute (1) + a reference forward (1) = 5 forwards
-    assert update_flops(S, [3], recompute=True, frozen_forwards=1) == 5 * 6192
-    assert update_flops(S, [3, 3]) == 2 * 3 * 6192
+    assert update_flops(S, [3], recompute=True, frozen_forwards=1) == 5 * 2256
+    assert update_flops(S, [3, 3]) == 2 * 3 * 2256
     assert mfu(1e12, 2.0, 1e12, 2) == 0.25

@@ -49,8 +49,16 @@ class Shape:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (the rest are embeddings, LM head and final norm)."""
-        return (self.params - self.vocab * self.hidden) // self.layers
+        """Weights of one decoder layer with query width ``hidden`` (biases left out): q and o
+        ``h x h`` each, k and v ``h x kv_dim`` each, SwiGLU ``3 x h x I``, two norms ``h``."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head shares the input embedding (the rest of ``params`` holds one
+        vocabulary matrix, not two)."""
+        return self.params - self.layers * self.layer_params < 1.5 * self.vocab * self.hidden
 
 
 # Shapes of the models the shipped configs name (from their config.json), so the estimate
