@@ -18,8 +18,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
-
 SMALL = """\
 trainer:
   devices: 2
@@ -80,6 +78,7 @@ def _fit(root: Path, dump: Path, steps: int, *extra: str) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_warm_started_reference_survives_fsdp_resume(tmp_path):
     _fit(tmp_path / "straight", tmp_path / "straight_dump", 2)
     _fit(tmp_path / "split", tmp_path / "first_half", 1)
@@ -97,3 +96,34 @@ def test_warm_started_reference_survives_fsdp_resume(tmp_path):
     first = torch.load(tmp_path / "first_half" / "reference.pt")
     ref = torch.load(tmp_path / "resumed" / "reference.pt")
     assert all(torch.equal(first[k], ref[k]) for k in ref)
+
+
+def test_reference_round_trip_in_one_process_and_old_fsdp_format_refused(tiny, tmp_path):
+    """One process: the full reference goes under ``salvage_reference`` and comes back. A
+    checkpoint of the old FSDP format (DTensors in the metadata: rank 0's shard) is refused."""
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    from salvage.distributed import REFERENCE_KEY, load_reference, save_reference
+    from salvage.models import PolicySpec, load_model
+
+    model, _ = tiny
+    ckpt: dict = {"state_dict": {}}
+    save_reference(model, ckpt)
+    other = load_model(PolicySpec("tiny", seed=3))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
+    )
+    load_reference(other, ckpt, None)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
+    )
+
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        old = {k: distribute_tensor(v, mesh, [Replicate()]) for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match="only rank 0's FSDP shard"):
+            load_reference(other, {REFERENCE_KEY: old}, "last.ckpt")
+    finally:
+        dist.destroy_process_group()
