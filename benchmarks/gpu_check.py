@@ -337,6 +337,8 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE
     DEVICE = "cpu" if args.smoke_cpu else "cuda"
+    if args.smoke_cpu:  # checks the script, not a machine: small enough for a busy CPU
+        args.rows, args.seq, args.gen_tokens = min(args.rows, 8), min(args.seq, 128), 16
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (use --smoke-cpu to check the script on CPU)")
     root = Path(args.out)

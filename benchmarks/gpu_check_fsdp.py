@@ -185,7 +185,8 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    # clone: on one CPU rank the "gathered" tensors are the parameters themselves
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=opts).items()}
 
 
 def trainer_for(devices: int, out: Path, steps: int, callbacks: list, checkpoint: bool):
@@ -352,15 +353,29 @@ def cmd_export(args) -> None:
     )
 
 
+def _parse(args: list[str]):
+    """A config resolved by salvage's CLI parser, nothing instantiated."""
+    from salvage.cli import SalvageCLI
+
+    class ParseOnly(SalvageCLI):
+        def instantiate_classes(self) -> None:
+            pass
+
+    return ParseOnly(
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=args,
+        run=False,
+        auto_configure_optimizers=False,
+    ).config
+
+
 def cmd_config(args) -> None:
     """One update of a shipped GPU config at full size, measured against the estimate."""
     import shlex
 
     from salvage.core.memory import KNOWN_SHAPES, estimate
     from salvage.memory import plan_from_config
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_gpu_configs import _parse  # the shipped configs' parser (no classes built)
 
     precise()
     path = ROOT / args.config
