@@ -230,6 +230,8 @@ def shard_model(
         fsdp.fully_shard(layer, **kwargs)
     fsdp.fully_shard(model, **kwargs)
     setattr(model, "_salvage_reshard", cfg.reshard_after_forward)  # noqa: B010 - read back by gathered()
+    if "offload_policy" in kwargs:
+        setattr(model, "_salvage_offloaded", True)  # noqa: B010 - read back by to_device()
     return model
 
 
@@ -244,6 +246,28 @@ def wants_offload(cfg: FSDPConfig, frozen: bool, device_type: str) -> bool:
             "use reference: shard (or cpu_offload: false)"
         )
     return want
+
+
+def to_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """``model.to(device)``, except the parameters of CPU-offloaded FSDP2 models inside it.
+
+    FSDP2 with ``CPUOffloadPolicy`` keeps the shards in CPU memory and refuses, at its first
+    forward, shards found elsewhere ("FSDP parameters should be materialized on CPU when
+    enabling CPU offloading"); a plain ``.to(device)`` (Lightning's ``model_to_device``) would
+    move them. Their buffers (e.g. rotary frequencies) do go to ``device``, where they compute.
+    """
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if getattr(m, "_salvage_offloaded", False):
+            for sub in m.modules():
+                for name, buf in sub._buffers.items():
+                    if buf is not None:
+                        sub._buffers[name] = buf.to(device)
+            continue
+        m._apply(lambda t: t.to(device), recurse=False)
+        stack.extend(m.children())
+    return model
 
 
 _GATHERED: set[int] = set()

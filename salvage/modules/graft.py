@@ -47,7 +47,14 @@ from salvage.core.graft import (
     sgt_pick,
 )
 from salvage.datamodules.common import step_seed
-from salvage.distributed import FSDPConfig, gather_objects, gathered, merge_eval_records, run_file
+from salvage.distributed import (
+    FSDPConfig,
+    gather_objects,
+    gathered,
+    merge_eval_records,
+    run_file,
+    to_device,
+)
 from salvage.lm import response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.grpo import GRPOModule
@@ -240,8 +247,8 @@ class GRAFTModule(L.LightningModule):
         )  # on every rank (log_dir is a collective)
         for lr in (self.a, self.b):
             lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
-            if lr.ref_model is not None:
-                lr.ref_model.to(self.device)
+            if lr.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
+                to_device(lr.ref_model, self.device)
 
     # ------------------------------------------------------------------ exchange
     def receive(

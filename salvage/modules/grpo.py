@@ -44,6 +44,7 @@ from salvage.distributed import (
     merge_eval_records,
     save_reference,
     shard_model,
+    to_device,
     world,
 )
 from salvage.lm import pad_right, token_logprobs
@@ -268,8 +269,8 @@ class GRPOModule(L.LightningModule):
         return self._ref[0] if self._ref else None
 
     def on_fit_start(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
+        if self.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
+            to_device(self.ref_model, self.device)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
