@@ -256,17 +256,29 @@ def to_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Mo
     enabling CPU offloading"); a plain ``.to(device)`` (Lightning's ``model_to_device``) would
     move them. Their buffers (e.g. rotary frequencies) do go to ``device``, where they compute.
     """
+
+    def offloaded(m: torch.nn.Module) -> bool:
+        return getattr(m, "_salvage_offloaded", False)
+
     stack = [model]
     while stack:
         m = stack.pop()
-        if getattr(m, "_salvage_offloaded", False):
+        if offloaded(m):
             for sub in m.modules():
                 for name, buf in sub._buffers.items():
                     if buf is not None:
                         sub._buffers[name] = buf.to(device)
-            continue
-        m._apply(lambda t: t.to(device), recurse=False)
-        stack.extend(m.children())
+        elif not any(offloaded(x) for x in m.modules()):
+            m.to(device)  # the usual move (metrics' own states included)
+        else:  # its own tensors here, the children one by one
+            with torch.no_grad():
+                for p in m._parameters.values():
+                    if p is not None:
+                        p.data = p.data.to(device)
+                for name, buf in m._buffers.items():
+                    if buf is not None:
+                        m._buffers[name] = buf.to(device)
+            stack.extend(m.children())
     return model
 
 
