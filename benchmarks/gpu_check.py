@@ -7,8 +7,9 @@ token ids only use its first ids, the embedding keeps the real 151,936 rows). Ea
 check trains ``--steps`` updates of a fixed batch of ``--rows`` sequences of
 ``--seq`` tokens under ``salvage.strategies.FSDP2Strategy`` (bf16 compute, fp32 master
 weights and reductions) and prints generation and update tokens/s and the model FLOP
-utilisation: update ``6 N T / t`` (forward + backward), generation ``2 N T / t``, over
-the GPUs' bf16 peak (``--peak-tflops``, default from the device name).
+utilisation over the GPUs' bf16 peak (``--peak-tflops``, default from the device name):
+model FLOPs of ``salvage.core.flops`` (no embedding lookup; causal attention; the recomputed
+forward under activation checkpointing).
 
 Not run by the test suite. Written without access to a GPU: first run it on yours.
 """
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+from salvage.core.flops import forward_flops, update_flops
 
 SHAPES = {
     "qwen2.5-0.5b": dict(
@@ -217,9 +220,14 @@ def run_update(kind: str, model_dir: Path, n_params: int, args) -> dict:
     t = sorted(timer.times[1:] or timer.times)[len(timer.times[1:] or timer.times) // 2]
     world = trainer.world_size
     tok_s = timer.tokens * world / t
-    mfu = (
-        6 * n_params * tok_s / (peak_tflops(args.peak_tflops) * 1e12 * world)
-    )  # GRAFT: tokens of both models
+    # model FLOPs (salvage.core.flops): matmuls without the embedding lookup, causal
+    # attention, the recomputed forward under activation checkpointing; every rank's rows
+    # (GRAFT: both models' rows); the relay targets' few tokens are left out
+    n_rows = args.rows * (2 if kind == "graft" else 1) * world
+    flops = update_flops(
+        shape_of(model_dir, n_params), [args.seq] * n_rows, recompute=args.activation_checkpointing
+    )
+    mfu = flops / (t * peak_tflops(args.peak_tflops) * 1e12 * world)
     return {
         "check": f"{kind} update (FSDP2 bf16, {world} {DEVICE.upper()})",
         "tokens/s": tok_s,
@@ -227,6 +235,22 @@ def run_update(kind: str, model_dir: Path, n_params: int, args) -> dict:
         "MFU": mfu,
         "rank": trainer.global_rank,
     }
+
+
+def shape_of(model_dir: Path, n_params: int):
+    """The ``salvage.core.memory.Shape`` of a saved model (for the FLOP count)."""
+    from salvage.core.memory import Shape
+
+    c = json.loads((model_dir / "config.json").read_text())
+    kv = c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    return Shape(
+        n_params,
+        c["num_hidden_layers"],
+        c["hidden_size"],
+        c["intermediate_size"],
+        kv,
+        c["vocab_size"],
+    )
 
 
 def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
@@ -265,12 +289,17 @@ def run_generation(model_dir: Path, n_params: int, args) -> list[dict]:
         sync()
         dt = time.perf_counter() - t0
         n_tok = sum(len(s.response_ids) for g in out for s in g)
+        # per generated token one forward at its context (prompt + tokens so far): the
+        # matmuls without the embedding lookup plus attention over the context
+        shape = shape_of(model_dir, n_params)
+        ctx = len(prompts[0]) + args.gen_tokens / 2
+        per_token = forward_flops(shape, 1) + 4 * shape.layers * shape.hidden * ctx
         rows.append(
             {
                 "check": f"generation ({backend})",
                 "tokens/s": n_tok / dt,
                 "step_s": dt,
-                "MFU": 2 * n_params * n_tok / dt / (peak_tflops(args.peak_tflops) * 1e12),
+                "MFU": per_token * n_tok / dt / (peak_tflops(args.peak_tflops) * 1e12),
             }
         )
         if hasattr(eng, "release"):
@@ -308,6 +337,8 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE
     DEVICE = "cpu" if args.smoke_cpu else "cuda"
+    if args.smoke_cpu:  # checks the script, not a machine: small enough for a busy CPU
+        args.rows, args.seq, args.gen_tokens = min(args.rows, 8), min(args.seq, 128), 16
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device (use --smoke-cpu to check the script on CPU)")
     root = Path(args.out)

@@ -72,6 +72,15 @@ def _stored_config(ckpt: Path) -> str | None:
     return state.get("salvage_config")
 
 
+def print_memory(cfg: dict[str, Any]) -> None:
+    """The per-phase, per-GPU memory estimate of a fit config, on stdout."""
+    from salvage.core.memory import estimate, format_estimate
+    from salvage.memory import plan_from_config
+
+    plan = plan_from_config(cfg)
+    print(format_estimate(plan, estimate(plan)))
+
+
 class SalvageCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
@@ -107,6 +116,13 @@ class SalvageCLI(LightningCLI):
             help="Resume (--ckpt_path) even when the config differs from the checkpoint's in "
             "keys that are not resumable (the differing keys are printed as a warning).",
         )
+        parser.add_argument(
+            "--print_memory",
+            type=bool,
+            default=False,
+            help="Print the estimated memory per GPU of each phase (rollout, update) for this "
+            "config and exit, before any weights are loaded (salvage.core.memory).",
+        )
 
     def _parse_ckpt_path(self) -> None:
         """Never read settings from a checkpoint into the config.
@@ -125,6 +141,9 @@ class SalvageCLI(LightningCLI):
             return
         if sub == "fit":  # refused before anything is built
             check_max_steps(self.config.get("fit.trainer.max_steps"))
+            if self.config[sub].get("print_memory"):
+                print_memory(self.config[sub].as_dict())
+                raise SystemExit(0)
         cfg = self.config[sub]
         if not cfg.trainer.get("default_root_dir"):
             # one folder per config under runs/, never the current directory itself

@@ -230,6 +230,8 @@ def shard_model(
         fsdp.fully_shard(layer, **kwargs)
     fsdp.fully_shard(model, **kwargs)
     setattr(model, "_salvage_reshard", cfg.reshard_after_forward)  # noqa: B010 - read back by gathered()
+    if "offload_policy" in kwargs:
+        setattr(model, "_salvage_offloaded", True)  # noqa: B010 - read back by to_device()
     return model
 
 
@@ -244,6 +246,40 @@ def wants_offload(cfg: FSDPConfig, frozen: bool, device_type: str) -> bool:
             "use reference: shard (or cpu_offload: false)"
         )
     return want
+
+
+def to_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """``model.to(device)``, except the parameters of CPU-offloaded FSDP2 models inside it.
+
+    FSDP2 with ``CPUOffloadPolicy`` keeps the shards in CPU memory and refuses, at its first
+    forward, shards found elsewhere ("FSDP parameters should be materialized on CPU when
+    enabling CPU offloading"); a plain ``.to(device)`` (Lightning's ``model_to_device``) would
+    move them. Their buffers (e.g. rotary frequencies) do go to ``device``, where they compute.
+    """
+
+    def offloaded(m: torch.nn.Module) -> bool:
+        return getattr(m, "_salvage_offloaded", False)
+
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if offloaded(m):
+            for sub in m.modules():
+                for name, buf in sub._buffers.items():
+                    if buf is not None:
+                        sub._buffers[name] = buf.to(device)
+        elif not any(offloaded(x) for x in m.modules()):
+            m.to(device)  # the usual move (metrics' own states included)
+        else:  # its own tensors here, the children one by one
+            with torch.no_grad():
+                for p in m._parameters.values():
+                    if p is not None:
+                        p.data = p.data.to(device)
+                for name, buf in m._buffers.items():
+                    if buf is not None:
+                        m._buffers[name] = buf.to(device)
+            stack.extend(m.children())
+    return model
 
 
 _GATHERED: set[int] = set()
@@ -294,3 +330,86 @@ def check_gathered(model: torch.nn.Module, what: str) -> None:
             f"{what} on an FSDP-sharded model outside salvage.distributed.gathered(): ranks would "
             "issue different numbers of all-gathers and deadlock. Wrap the phase in gathered(model)."
         )
+
+
+# ----------------------------------------------------------------------------- checkpoints
+REFERENCE_KEY = "salvage_reference"
+"""Checkpoint key of a reference that is not the model its config names (a warm start reset
+it): a full state dict, or ``"distributed"`` when its shards are in the distributed checkpoint."""
+REFERENCE_PREFIX = "salvage_reference."
+"""Prefix of the reference's entries in a distributed checkpoint's ``state_dict``."""
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def save_reference(ref: torch.nn.Module, checkpoint: dict[str, Any]) -> None:
+    """Put ``ref`` into a checkpoint being written, each rank's shard where it belongs.
+
+    Call on every rank (gathering a sharded model is a collective). Under FSDP2 with a
+    distributed checkpoint (the module's ``state_dict`` holds DTensors) the reference's
+    shards join ``state_dict`` under ``REFERENCE_PREFIX``, so every rank writes its own shard
+    through ``torch.distributed.checkpoint``; otherwise (one process, a replicated reference,
+    a single-file FSDP checkpoint) the full state dict goes under ``REFERENCE_KEY``.
+    """
+    sd = checkpoint.get("state_dict") or {}
+    if is_sharded(ref):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if any(_is_dtensor(v) for v in sd.values()):
+            shards = get_model_state_dict(ref, options=StateDictOptions(cpu_offload=True))
+            sd.update({REFERENCE_PREFIX + k: v for k, v in shards.items()})
+            checkpoint[REFERENCE_KEY] = "distributed"
+            return
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        checkpoint[REFERENCE_KEY] = get_model_state_dict(ref, options=opts)  # full on rank 0
+        return
+    checkpoint[REFERENCE_KEY] = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
+
+
+def load_reference(ref: torch.nn.Module, checkpoint: dict[str, Any], path: Any) -> None:
+    """Restore what ``save_reference`` wrote into ``ref`` (sharded or not); a collective under
+    FSDP2. ``path``: the checkpoint being loaded (read when the shards are in it).
+
+    A checkpoint of salvage before this format holds, under FSDP2, only rank 0's shard of the
+    reference (as DTensors in its metadata): it is refused, naming the way out.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state = checkpoint[REFERENCE_KEY]
+    sd = checkpoint.get("state_dict")
+    if isinstance(sd, dict):  # keep the module's own strict load clean
+        for k in [k for k in sd if k.startswith(REFERENCE_PREFIX)]:
+            del sd[k]
+    if state == "distributed":
+        if path is None:
+            raise ValueError(
+                f"{REFERENCE_KEY}: the reference is in a distributed checkpoint but no path is known"
+            )
+        import torch.distributed.checkpoint as dcp
+
+        template = get_model_state_dict(ref)
+        wanted = {"state_dict": {REFERENCE_PREFIX + k: v for k, v in template.items()}}
+        dcp.load(wanted, checkpoint_id=str(path))
+        loaded = {k[len(REFERENCE_PREFIX) :]: v for k, v in wanted["state_dict"].items()}
+        set_model_state_dict(ref, loaded, options=StateDictOptions(strict=True))
+        return
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint key {REFERENCE_KEY!r}: unknown value {state!r}")
+    if any(_is_dtensor(v) for v in state.values()):
+        raise ValueError(
+            f"checkpoint {path}: its warm-started reference was saved by an older salvage that "
+            "kept only rank 0's FSDP shard of it, so it cannot be restored on every rank. "
+            "Resume from a checkpoint written by this version, or start the run again."
+        )
+    if is_sharded(ref):
+        set_model_state_dict(ref, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        ref.load_state_dict(state)

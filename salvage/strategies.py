@@ -44,6 +44,13 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or default_backend(self.root_device.type)
 
+    def model_to_device(self) -> None:
+        # CPU-offloaded shards (model.fsdp.cpu_offload) stay in CPU memory (salvage.distributed)
+        from salvage.distributed import to_device
+
+        assert self.model is not None
+        to_device(self.model, self.root_device)
+
 
 def default_backend(device_type: str) -> str:
     """The process group's backends when the config names none.

@@ -269,9 +269,9 @@ class RescueCallback(L.Callback):
         raise NotImplementedError
 
     def inference_models(self, pl_module: L.LightningModule) -> list[Any]:
-        models = (
-            pl_module.inference_models()
-            if hasattr(pl_module, "inference_models")
+        models = (  # the student and the teacher sample; the reference is not used here
+            pl_module.sampling_models()
+            if hasattr(pl_module, "sampling_models")
             else [pl_module.policy]
         )
         teacher = getattr(self, "_teacher_model", None)

@@ -193,9 +193,8 @@ class RolloutDataModule(L.LightningDataModule):
         if isinstance(batch, RolloutBatch):
             return batch
         module = self.trainer.lightning_module
-        models = (
-            module.inference_models() if hasattr(module, "inference_models") else [module.policy]
-        )
+        # only the models that generate are gathered (the reference scores in the update)
+        models = module.sampling_models() if hasattr(module, "sampling_models") else [module.policy]
         engines = [e for e in self.live_engines() if hasattr(e, "prepare")]
         for e in engines:  # vLLM: wake, re-sync weights (collectives: every rank, same order)
             e.prepare()

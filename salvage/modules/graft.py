@@ -47,7 +47,14 @@ from salvage.core.graft import (
     sgt_pick,
 )
 from salvage.datamodules.common import step_seed
-from salvage.distributed import FSDPConfig, gather_objects, gathered, merge_eval_records, run_file
+from salvage.distributed import (
+    FSDPConfig,
+    gather_objects,
+    gathered,
+    merge_eval_records,
+    run_file,
+    to_device,
+)
 from salvage.lm import response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.grpo import GRPOModule
@@ -228,6 +235,9 @@ class GRAFTModule(L.LightningModule):
     def inference_models(self) -> list[torch.nn.Module]:
         return self.a.inference_models() + self.b.inference_models()
 
+    def sampling_models(self) -> list[torch.nn.Module]:
+        return self.a.sampling_models() + self.b.sampling_models()
+
     def configure_optimizers(self) -> Any:
         return [self.a.configure_optimizers(), self.b.configure_optimizers()]
 
@@ -237,8 +247,8 @@ class GRAFTModule(L.LightningModule):
         )  # on every rank (log_dir is a collective)
         for lr in (self.a, self.b):
             lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
-            if lr.ref_model is not None:
-                lr.ref_model.to(self.device)
+            if lr.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
+                to_device(lr.ref_model, self.device)
 
     # ------------------------------------------------------------------ exchange
     def receive(

@@ -31,6 +31,7 @@ from salvage.core.grpo import (
 )
 from salvage.core.policy_loss import LossInputs, row_policy_loss
 from salvage.distributed import (
+    REFERENCE_KEY,
     FSDPConfig,
     all_reduce,
     all_true,
@@ -38,9 +39,12 @@ from salvage.distributed import (
     gathered,
     global_scale,
     is_sharded,
+    load_reference,
     lockstep,
     merge_eval_records,
+    save_reference,
     shard_model,
+    to_device,
     world,
 )
 from salvage.lm import pad_right, token_logprobs
@@ -231,6 +235,11 @@ class GRPOModule(L.LightningModule):
         """Models that sample or score without gradients (gathered together under FSDP)."""
         return [m for m in (self.policy, self.ref_model) if m is not None]
 
+    def sampling_models(self) -> list[torch.nn.Module]:
+        """Models that generate during rollouts (gathered for them under FSDP; the reference
+        only scores in the update, where it is gathered on its own)."""
+        return [self.policy] if self.policy is not None else []
+
     def needs_reference(self) -> bool:
         """A frozen reference only when something uses it (eta = 0 skips loading it)."""
         return self.hparams.kl_coef > 0
@@ -245,14 +254,14 @@ class GRPOModule(L.LightningModule):
         # the reference is not a parameter of the module; when it is no longer the loaded
         # checkpoint (a warm start reset it), it must travel with the checkpoint
         if self._ref and getattr(self, "_ref_reset", False):
-            checkpoint["salvage_reference"] = self._ref[0].state_dict()
+            save_reference(self._ref[0], checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("salvage_reference")
-        if state is not None:
+        if checkpoint.get(REFERENCE_KEY) is not None:
             if not self._ref:
                 self.configure_model()
-            self._ref[0].load_state_dict(state)
+            path = self._trainer.ckpt_path if self._trainer is not None else None
+            load_reference(self._ref[0], checkpoint, path)
             self._ref_reset = True
 
     @property
@@ -260,8 +269,8 @@ class GRPOModule(L.LightningModule):
         return self._ref[0] if self._ref else None
 
     def on_fit_start(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
+        if self.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
+            to_device(self.ref_model, self.device)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
