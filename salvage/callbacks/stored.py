@@ -30,11 +30,15 @@ from typing import Any
 import lightning as L
 
 from salvage.core.graft import plan_minibatches, select_unidirectional
-from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.core.grpo import assign_advantages
+from salvage.core.seeds import STORED_ADMISSION, step_seed
+from salvage.datamodules.base import attached_datamodule
+from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.distributed import gathered
 from salvage.errors import DataError, MissingFileError
 from salvage.io import atomic_write_text
 from salvage.modules.graft import transplant
+from salvage.modules.grpo import GRPOModule
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
 
 # A sampled token had a probability the sampler could represent: in float32 the smallest
@@ -198,7 +202,9 @@ class StoredPeer(L.Callback):
                 f"holds prompts {sorted(stored)[:4]}... but this step's batch "
                 f"is {sorted(mine)[:4]}...: the runs differ (data, seed or prompts_per_step)"
             )
-        dm = trainer.datamodule
+        dm = attached_datamodule(trainer, RLVRDataModule)
+        if not isinstance(pl_module, GRPOModule):
+            raise TypeError(f"StoredPeer trains a GRPOModule, got {type(pl_module).__name__}")
         peer_groups = []
         for g in batch.groups:
             p = stored[g.task_id]
@@ -241,11 +247,11 @@ class StoredPeer(L.Callback):
                 prompts,
                 pl_module,
                 self.opts,
-                random.Random(step_seed(self.seed, step, 31)),
+                random.Random(step_seed(self.seed, step, STORED_ADMISSION)),
             )
         self.transferred += len(prompts)
-        batch.extras["minibatch_groups"] = plan_minibatches(
-            [bool(g.info.get("peer")) for g in batch.groups],
+        batch.minibatch_groups = plan_minibatches(
+            [g.peer for g in batch.groups],
             "peer-last",
             pl_module.hparams.num_minibatches,
             random.Random(0),

@@ -67,7 +67,7 @@ class RunSummary(L.Callback):
                 )
         console = Console()
         console.print(table)
-        for cb in trainer.callbacks:  # stages that name themselves (e.g. the VH-GPO teacher)
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # stages that name themselves (e.g. the VH-GPO teacher)
             describe = getattr(cb, "describe", None)
             if callable(describe):
                 console.print(describe(), soft_wrap=True, markup=False)

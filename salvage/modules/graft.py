@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 
 from salvage.core.evaluation import repeat_metrics
 from salvage.core.graft import (
@@ -46,13 +48,14 @@ from salvage.core.graft import (
     select_transfers,
     sgt_pick,
 )
-from salvage.datamodules.common import step_seed
+from salvage.core.losses import completion_loss
+from salvage.core.seeds import GRAFT_EXCHANGE, step_seed
 from salvage.distributed import FSDPConfig, gather_objects, gathered, merge_eval_records, run_file
-from salvage.lm import response_logprobs
+from salvage.lm import response_logprobs, target_scores
 from salvage.models import PolicySpec
-from salvage.modules.grpo import GRPOModule
+from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
-from salvage.types import Group, RolloutBatch, SeqTarget, Trajectory, Turn
+from salvage.types import Group, PairedBatch, RolloutBatch, SeqRatio, SeqTarget, Trajectory, Turn
 
 
 class GRAFTModule(L.LightningModule):
@@ -175,9 +178,12 @@ class GRAFTModule(L.LightningModule):
         ):
             if val not in allowed:
                 raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
-        for key, val in (("hacpo_clip_low", hacpo_clip_low), ("hacpo_clip_high", hacpo_clip_high)):
-            if not 0 <= val < 1:
-                raise ValueError(f"model.{key}={val!r} must be in [0, 1)")
+        for key, bound in (
+            ("hacpo_clip_low", hacpo_clip_low),
+            ("hacpo_clip_high", hacpo_clip_high),
+        ):
+            if not 0 <= bound < 1:
+                raise ValueError(f"model.{key}={bound!r} must be in [0, 1)")
         if hacpo_peer_high is not None and hacpo_peer_high <= 0:
             raise ValueError(f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)")
         if restrict_to_selection and mode == "graft":
@@ -185,7 +191,7 @@ class GRAFTModule(L.LightningModule):
                 "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
             )
         self.automatic_optimization = False
-        common = dict(
+        common: dict[str, Any] = dict(
             weight_decay=weight_decay,
             num_minibatches=num_minibatches,
             micro_batch_size=micro_batch_size,
@@ -209,6 +215,11 @@ class GRAFTModule(L.LightningModule):
         self._step_log: dict[str, float] = {}
         self._records: Path | None = None
 
+    @property
+    def hparams(self) -> AttributeDict:
+        """The saved hyper-parameters (attribute access)."""
+        return cast(AttributeDict, super().hparams)
+
     def learner(self, name: str) -> GRPOModule:
         return {"a": self.a, "b": self.b}[name]
 
@@ -217,13 +228,13 @@ class GRAFTModule(L.LightningModule):
         return self.a.tokenizer
 
     @property
-    def policy(self) -> torch.nn.Module:
+    def policy(self) -> torch.nn.Module | None:
         return self.a.policy
 
     def configure_model(self) -> None:
+        mesh = self.a.mesh_of(self.device_mesh)
         for child in (self.a, self.b):  # both policies sharded on the strategy's one mesh
-            child._device_mesh = getattr(self, "_device_mesh", None)
-            child.configure_model()
+            child.build(mesh)
 
     def inference_models(self) -> list[torch.nn.Module]:
         return self.a.inference_models() + self.b.inference_models()
@@ -267,21 +278,22 @@ class GRAFTModule(L.LightningModule):
         )
 
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
-        is_peer = [bool(g.info.get("peer")) for g in batch.groups]
-        batch.extras["minibatch_groups"] = plan_minibatches(
+        is_peer = [g.peer for g in batch.groups]
+        batch.minibatch_groups = plan_minibatches(
             is_peer, self.hparams.order, self.hparams.num_minibatches, rng
         )
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def training_step(self, batch: PairedBatch, batch_idx: int) -> None:
         hp = self.hparams
-        ra, rb = batch.extras["a"], batch.extras["b"]
+        ra, rb = batch.a, batch.b
         n = max((len(g.trajectories) for g in ra.groups), default=0)
-        rng = random.Random(step_seed(hp.seed, self.global_step, 21))
+        rng = random.Random(step_seed(hp.seed, self.global_step, GRAFT_EXCHANGE))
         if hp.exchange and hp.mode == "sgt":
             return self._sgt_step(ra, rb, rng)
         k_a = [sum(g.successes) for g in ra.groups]
         k_b = [sum(g.successes) for g in rb.groups]
-        live_ab = live_ba = None
+        live_ab: list[int] | None = None
+        live_ba: list[int] | None = None
         if hp.exchange and hp.mode == "hacpo":  # every prompt, both directions
             every = list(range(len(ra.groups)))
             tr = Transfers(every, list(every), len(every), len(every))
@@ -331,7 +343,7 @@ class GRAFTModule(L.LightningModule):
                 "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
             }
         )
-        if live_ab is not None:
+        if live_ab is not None and live_ba is not None:
             values["graft/selected_a_to_b"] = float(len(live_ab))
             values["graft/selected_b_to_a"] = float(len(live_ba))
         peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
@@ -351,11 +363,16 @@ class GRAFTModule(L.LightningModule):
         )
 
     def _update_both(
-        self, ra: RolloutBatch, rb: RolloutBatch
+        self,
+        ra: RolloutBatch,
+        rb: RolloutBatch,
+        aux: dict[str, Auxiliary] | None = None,
     ) -> tuple[dict[str, float], dict[str, float]]:
-        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
-        va = self.a.update(ra, opt_a, sch_a, self.global_step, count_step=False)
-        vb = self.b.update(rb, opt_b, sch_b, self.global_step, count_step=True)
+        opt_a, opt_b = cast(list[Any], self.optimizers())
+        sch_a, sch_b = cast(list[Any], self.lr_schedulers())
+        aux = aux or {}
+        va = self.a.update(ra, opt_a, sch_a, self.global_step, False, aux.get("a"))
+        vb = self.b.update(rb, opt_b, sch_b, self.global_step, True, aux.get("b"))
         return va, vb
 
     def _sgt_step(self, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
@@ -378,10 +395,12 @@ class GRAFTModule(L.LightningModule):
             )
             allowed = {"a_to_b": set(sel.a_to_b), "b_to_a": set(sel.b_to_a)}
         counts = {}
+        aux: dict[str, Auxiliary] = {}
         for src, dst, recv, name in ((ra, rb, self.b, "a_to_b"), (rb, ra, self.a, "b_to_a")):
             targets = []
             for q, (sg, dg) in enumerate(zip(src.groups, dst.groups, strict=True)):
-                if allowed[name] is not None and q not in allowed[name]:
+                only = allowed[name]
+                if only is not None and q not in only:
                     continue
                 pick = sgt_pick(sg.successes, sum(dg.successes), rng)
                 if pick is None:
@@ -391,9 +410,9 @@ class GRAFTModule(L.LightningModule):
                 if recv.tokenizer.eos_token_id is not None:
                     ids.append(int(recv.tokenizer.eos_token_id))
                 targets.append(SeqTarget(list(dg.trajectories[0].turns[0].prompt_ids), ids))
-            dst.extras["nll_targets"], dst.extras["nll_weight"] = targets, self.hparams.sgt_weight
+            aux[name[-1]] = sgt_auxiliary(recv, targets, hp.sgt_weight)
             counts[name] = len(targets)
-        va, vb = self._update_both(ra, rb)
+        va, vb = self._update_both(ra, rb, aux)
         values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
         values.update(
             {
@@ -428,15 +447,14 @@ class GRAFTModule(L.LightningModule):
 
     on_test_epoch_start = on_validation_epoch_start
 
-    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def validation_step(self, batch: PairedBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
-    def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def test_step(self, batch: PairedBatch, batch_idx: int) -> None:
         self._eval_step(batch, "eval")
 
-    def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
-        for name in ("a", "b"):
-            part = batch.extras[name]
+    def _eval_step(self, batch: PairedBatch, prefix: str) -> None:
+        for name, part in batch.parts().items():
             recs = self._eval_acc[name]
             for g in part.groups:
                 recs.append(
@@ -473,6 +491,33 @@ class GRAFTModule(L.LightningModule):
         self._eval_end("eval")
 
 
+def sgt_auxiliary(learner: GRPOModule, targets: list[SeqTarget], weight: float) -> Auxiliary:
+    """SGT's term on one learner: ``weight * mean over targets of -s(y|h)`` (the NLL of one
+    correct peer response per prompt the learner did not solve), in its update's last
+    minibatch. Metric ``loss/nll``."""
+
+    def backward() -> torch.Tensor | None:
+        denom = learner.global_count(len(targets))
+        if not denom:
+            return None
+        total = 0.0
+        pad = int(learner.tokenizer.pad_token_id)
+
+        def nll(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
+            nonlocal total
+            scores = target_scores(learner.live_policy, part, pad, learner.device)
+            loss = completion_loss(scores).sum() / denom
+            total += float(loss.detach())
+            return weight * loss
+
+        if not learner.micro_steps(targets, learner.hparams.micro_batch_size, nll):
+            return torch.tensor(float("nan"))
+        learner.step_metrics.update("loss/nll", total)
+        return torch.tensor(weight * total)
+
+    return Auxiliary(present=bool(targets), backward=backward)
+
+
 def transplant(
     src: RolloutBatch,
     dst: RolloutBatch,
@@ -501,11 +546,12 @@ def transplant(
             opts.get("hacpo_peer_ramp", 0.025),
             opts.get("hacpo_peer_high"),
         )
-        peer_clip = (low, None if high == float("inf") else high)
+        peer_high = None if high == float("inf") else high
     scores: list[float] = []
     peer_trajs: list[Trajectory] = []
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
-    dst.extras.setdefault("own_groups", list(dst.groups))
+    if dst.own_groups is None:
+        dst.own_groups = list(dst.groups)
     tok = receiver.tokenizer
     # HACPO: each model's capability = its success rate on this batch (before any exchange)
     cap_src = sum(t.success for t in src.trajectories) / max(1, len(src.trajectories))
@@ -526,7 +572,7 @@ def transplant(
                 ids.append(int(tok.eos_token_id))
             resp.append(ids or [int(tok.eos_token_id)])
         old = response_logprobs(
-            receiver.policy,
+            receiver.live_policy,
             [prompt] * len(resp),
             resp,
             int(tok.pad_token_id),
@@ -543,11 +589,11 @@ def transplant(
                 w = 0.0  # drawn below, over the whole direction (core.graft.random_admission)
             else:
                 w = compat_weight(s, hp.delta, hp.gate, hp.floor)
-            info: dict[str, Any] = {"compat": s, "loss": "hacpo" if hacpo else hp.peer_loss}
+            seq_ratio = None
             if hacpo:
-                info["seq_ratio"] = (src_mean, *peer_clip)
+                seq_ratio = SeqRatio(src_mean, low, peer_high)
             elif seq_peer and hp.peer_loss == "clip":  # Table 2a: one ratio per response
-                info["seq_ratio"] = (
+                seq_ratio = SeqRatio(
                     mean_logprob(lp),
                     1.0 - opts.get("clip_eps_low", 0.2),
                     1.0 + opts.get("clip_eps_high", 0.28),
@@ -568,7 +614,9 @@ def transplant(
                     advantage=t.advantage,
                     weight=w,
                     source="peer",
-                    info=info,
+                    loss="hacpo" if hacpo else hp.peer_loss,
+                    seq_ratio=seq_ratio,
+                    compat=s,
                 )
             )
         peer_trajs.extend(trajs)
@@ -582,7 +630,7 @@ def transplant(
             )
             for t, a in zip(own, a_own.tolist(), strict=True):
                 t.advantage = a
-                t.info = {**t.info, "seq_ratio": (mean_logprob(t.turns[0].logprobs), *own_clip)}
+                t.seq_ratio = SeqRatio(mean_logprob(t.turns[0].logprobs), *own_clip)
             for t, a in zip(trajs, a_peer.tolist(), strict=True):
                 # restricted to GRAFT's selection: peer responses elsewhere carry no advantage
                 t.advantage = a if live is None or q in live else 0.0
@@ -599,9 +647,7 @@ def transplant(
             for t, a in zip(trajs, a_peer.tolist(), strict=True):
                 t.advantage = a
             trajs = own + trajs
-        dst.groups[q] = Group(
-            task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True}
-        )
+        dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, peer=True)
         if bar is not None:
             bar.advance(1)
     if hp.admission == "random" and not hacpo:  # as many as pass the gate, drawn at random

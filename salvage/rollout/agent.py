@@ -268,16 +268,16 @@ class AgentRunner:
 
     def _begin(self, eps: list[Episode]) -> None:
         fresh = [e for e in eps if e.start.state is None]
-        restored = [e for e in eps if e.start.state is not None]
+        restored = [(e, e.start.state) for e in eps if e.start.state is not None]
         for e, res in zip(
             fresh,
             self.pool.reset([(e.eid, e.start.task, e.start.seed) for e in fresh]),
             strict=True,
         ):
             self._opened(e, res, depth=0)
-        results = self.pool.restore([(e.eid, e.start.state) for e in restored])
-        for e, res in zip(restored, results, strict=True):
-            self._opened(e, res, depth=len(e.start.state["actions"]))
+        results = self.pool.restore([(e.eid, state) for e, state in restored])
+        for (e, state), res in zip(restored, results, strict=True):
+            self._opened(e, res, depth=len(state["actions"]))
             e.history = list(e.start.history)
 
     def _opened(self, e: Episode, res: Any, depth: int) -> None:
@@ -312,8 +312,8 @@ class AgentRunner:
                 "error": e.error,
                 "n_invalid": e.n_invalid,
                 "depth": e.depth,
-                "episode": e,
             },
+            episode=e,
         )
 
 
