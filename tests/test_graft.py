@@ -430,8 +430,7 @@ def test_hacpo_peer_lower_bound_rises_per_step_and_upper_bound_is_a_switch():
 
     for high, want in ((None, (pytest.approx(0.8 + 0.025 * 12), None)), (1.0, (1.0, 1.0))):
         module, src, dst = _pair(mode="hacpo", hacpo_peer_high=high)
-        opts = dict(module.hparams) | {"step": 12}
-        transplant(src, dst, [0], module.b, opts, __import__("random").Random(0))
+        transplant(src, dst, [0], module.b, module.rules, __import__("random").Random(0), step=12)
         got = dst.groups[0].trajectories[4].seq_ratio
         assert (got.low, got.high) == want
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning as L
 
+from salvage.core.exchange import ExchangeRules
 from salvage.core.graft import plan_minibatches, select_unidirectional
 from salvage.core.grpo import assign_advantages
 from salvage.core.seeds import STORED_ADMISSION, step_seed
@@ -152,15 +153,9 @@ class StoredPeer(L.Callback):
         if not 0 < delta <= 1:
             raise ValueError(f"StoredPeer delta={delta!r} must be in (0, 1]")
         self.dirpath = Path(dirpath)
-        self.opts = {
-            "delta": delta,
-            "gate": gate,
-            "floor": floor,
-            "peer_filter": peer_filter,
-            "peer_advantage": "source",
-            "admission": admission,
-            "peer_loss": "clip",
-        }
+        self.rules = ExchangeRules(
+            delta=delta, gate=gate, floor=floor, peer_filter=peer_filter, admission=admission
+        )
         self.seed = seed
         self.transferred = 0
 
@@ -246,7 +241,7 @@ class StoredPeer(L.Callback):
                 batch,
                 prompts,
                 pl_module,
-                self.opts,
+                self.rules,
                 random.Random(step_seed(self.seed, step, STORED_ADMISSION)),
             )
         self.transferred += len(prompts)

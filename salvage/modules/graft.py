@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, cast
 
 import lightning as L
@@ -33,17 +33,12 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 
 from salvage.core.evaluation import repeat_metrics
+from salvage.core.exchange import ExchangeRules, peer_responses, receive_group
 from salvage.core.graft import (
     BALANCE,
     ORDERS,
     Transfers,
-    capability_advantages,
-    compat_weight,
-    compatibility,
-    hacpo_clip_range,
-    mean_logprob,
     plan_minibatches,
-    pooled_advantages,
     random_admission,
     select_transfers,
     sgt_pick,
@@ -55,7 +50,7 @@ from salvage.lm import response_logprobs, target_scores
 from salvage.models import PolicySpec
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
-from salvage.types import Group, PairedBatch, RolloutBatch, SeqRatio, SeqTarget, Trajectory, Turn
+from salvage.types import PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
 
 
 class GRAFTModule(L.LightningModule):
@@ -272,10 +267,17 @@ class GRAFTModule(L.LightningModule):
             dst,
             prompts,
             receiver,
-            dict(self.hparams) | {"step": self.global_step, "live": live},
+            self.rules,
             rng or random.Random(self.hparams.seed),
             bar,
+            step=self.global_step,
+            live=live,
         )
+
+    @property
+    def rules(self) -> ExchangeRules:
+        """The exchange settings among this module's arguments."""
+        return ExchangeRules(**{f.name: self.hparams[f.name] for f in fields(ExchangeRules)})
 
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
         is_peer = [g.peer for g in batch.groups]
@@ -523,31 +525,22 @@ def transplant(
     dst: RolloutBatch,
     prompts: list[int],
     receiver: GRPOModule,
-    opts: dict[str, Any],
+    rules: ExchangeRules,
     rng: random.Random,
     bar: Any = None,
+    *,
+    step: int = 0,
+    live: list[int] | None = None,
 ) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
-    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, peer_loss (GRAFTModule's
-    arguments; optional: mode, peer_ratio, the hacpo_* bounds, clip_eps_low/high, ``step``
-    and ``live``, see ``GRAFTModule.receive``). Shared by GRAFTModule and the stored-mode
-    receiver (``StoredPeer``). Returns the peer responses' weights.
+    The shell of the exchange: the receiver's tokenizer re-tokenises each peer response and
+    its policy scores it (pi_old log-probs); ``core.exchange.receive_group`` does the rest.
+    ``step``: the update index (HACPO's rising peer bound); ``live``: HACPO restricted to
+    GRAFT's selection, the prompts whose peer responses keep their advantage (None: all).
+    Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
+    responses' weights.
     """
-    hp = SimpleNamespace(**opts)
-    hacpo = opts.get("mode") == "hacpo"
-    live = opts.get("live")
-    seq_peer = opts.get("peer_ratio", "token") == "sequence" and not hacpo
-    if hacpo:  # HACPO's sequence-level ranges: own responses, and peers at this step
-        own_clip = (1.0 - opts.get("hacpo_clip_low", 3e-4), 1.0 + opts.get("hacpo_clip_high", 4e-4))
-        low, high = hacpo_clip_range(
-            int(opts.get("step", 0)),
-            opts.get("hacpo_peer_low", 0.8),
-            opts.get("hacpo_peer_ramp", 0.025),
-            opts.get("hacpo_peer_high"),
-        )
-        peer_high = None if high == float("inf") else high
-    scores: list[float] = []
     peer_trajs: list[Trajectory] = []
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
     if dst.own_groups is None:
@@ -559,7 +552,7 @@ def transplant(
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
         prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
-        peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all" or hacpo]
+        peers = peer_responses(sg, rules)
         if not peers:
             continue
         resp = []
@@ -579,78 +572,30 @@ def transplant(
             temperature=dst.temperature,
             batch_size=receiver.hparams.micro_batch_size,
         )
-        trajs = []
-        for t, ids, lp in zip(peers, resp, old, strict=True):
-            src_mean = mean_logprob(t.turns[0].logprobs)
-            s = compatibility(mean_logprob(lp), src_mean)
-            if hacpo:
-                w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
-            elif hp.admission == "random":
-                w = 0.0  # drawn below, over the whole direction (core.graft.random_admission)
-            else:
-                w = compat_weight(s, hp.delta, hp.gate, hp.floor)
-            seq_ratio = None
-            if hacpo:
-                seq_ratio = SeqRatio(src_mean, low, peer_high)
-            elif seq_peer and hp.peer_loss == "clip":  # Table 2a: one ratio per response
-                seq_ratio = SeqRatio(
-                    mean_logprob(lp),
-                    1.0 - opts.get("clip_eps_low", 0.2),
-                    1.0 + opts.get("clip_eps_high", 0.28),
-                )
-            scores.append(s)
-            trajs.append(
-                Trajectory(
-                    turns=[
-                        Turn(
-                            prompt_ids=prompt,
-                            response_ids=ids,
-                            logprobs=lp,
-                            response_text=t.turns[0].response_text,
-                        )
-                    ],
-                    reward=t.reward,
-                    success=t.success,
-                    advantage=t.advantage,
-                    weight=w,
-                    source="peer",
-                    loss="hacpo" if hacpo else hp.peer_loss,
-                    seq_ratio=seq_ratio,
-                    compat=s,
-                )
+        turns = [
+            Turn(
+                prompt_ids=prompt,
+                response_ids=ids,
+                logprobs=lp,
+                response_text=t.turns[0].response_text,
             )
-        peer_trajs.extend(trajs)
-        if hacpo:  # receiver || peer, capability-weighted baseline
-            own = list(dg.trajectories)
-            a_own, a_peer = capability_advantages(
-                torch.tensor([t.reward for t in own]),
-                torch.tensor([t.reward for t in trajs]),
-                cap_recv,
-                cap_src,
-            )
-            for t, a in zip(own, a_own.tolist(), strict=True):
-                t.advantage = a
-                t.seq_ratio = SeqRatio(mean_logprob(t.turns[0].logprobs), *own_clip)
-            for t, a in zip(trajs, a_peer.tolist(), strict=True):
-                # restricted to GRAFT's selection: peer responses elsewhere carry no advantage
-                t.advantage = a if live is None or q in live else 0.0
-            trajs = own + trajs
-        elif hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
-            own = list(dg.trajectories)
-            a_own, a_peer = pooled_advantages(
-                torch.tensor([t.reward for t in own]),
-                torch.tensor([t.reward for t in trajs]),
-                eps=1e-6,
-            )
-            for t, a in zip(own, a_own.tolist(), strict=True):
-                t.advantage = a
-            for t, a in zip(trajs, a_peer.tolist(), strict=True):
-                t.advantage = a
-            trajs = own + trajs
-        dst.groups[q] = Group(task_id=dg.task_id, trajectories=trajs, task=dg.task, peer=True)
+            for t, ids, lp in zip(peers, resp, old, strict=True)
+        ]
+        group = receive_group(
+            dg,
+            peers,
+            turns,
+            rules,
+            step=step,
+            live=live is None or q in live,
+            capability=(cap_recv, cap_src),
+        )
+        dst.groups[q] = group
+        peer_trajs.extend(t for t in group.trajectories if t.source == "peer")
         if bar is not None:
             bar.advance(1)
-    if hp.admission == "random" and not hacpo:  # as many as pass the gate, drawn at random
-        for t, w in zip(peer_trajs, random_admission(scores, hp.delta, rng), strict=True):
+    if rules.admission == "random" and not rules.hacpo:  # as many as pass the gate, at random
+        scores = [t.compat if t.compat is not None else 0.0 for t in peer_trajs]
+        for t, w in zip(peer_trajs, random_admission(scores, rules.delta, rng), strict=True):
             t.weight = w
     return [t.weight for t in peer_trajs]
