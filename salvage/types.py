@@ -262,15 +262,32 @@ class RolloutEngine(Protocol):
         ...
 
 
+@dataclass
+class Response:
+    """A policy's answer to one agent prompt (an oracle's has text only, no tokens)."""
+
+    text: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+
 @runtime_checkable
 class Policy(Protocol):
-    """Maps an observation (the visible history, as text) to an answer text.
+    """Answers a batch of agent prompts (the visible history, as text), one per live episode.
 
-    Used by VH-GPO for teachers and students alike; an LM policy wraps an engine, an
-    oracle policy reads an environment's gold path.
+    Used by VH-GPO for teachers and students alike: an LM policy wraps an engine
+    (``salvage.rollout.agent.LMPolicy``), an oracle policy answers the environment's
+    ``oracle_action`` (``OraclePolicy``, ``needs_oracle``: the runner asks the
+    environments for it first, into ``infos``).
     """
 
-    def act(self, prompts: Sequence[str], *, seed: int | None = None) -> list[str]: ...
+    needs_oracle: bool
+
+    def respond(
+        self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int
+    ) -> list[Response]: ...
 
 
 @runtime_checkable
@@ -324,6 +341,17 @@ class Env(Protocol):
     def snapshot(self) -> dict[str, Any]: ...
 
     def restore(self, state: dict[str, Any]) -> str: ...
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The current state's info: ``won``, ``admissible``, ``score``, ``done``."""
+        ...
+
+    def oracle_action(self) -> str | None:
+        """The gold / expert next action where the environment knows one."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

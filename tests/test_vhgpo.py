@@ -119,6 +119,8 @@ K = 3  # the scripted student is right from depth K on
 class ScriptedStudent:
     """Right action from depth >= K while the path is alive, else a wrong one; real tokens."""
 
+    needs_oracle = False  # the scripted env puts its oracle action in every info
+
     def __init__(self, tok, fmt):
         self.tok, self.fmt = tok, fmt
 
