@@ -310,6 +310,10 @@ class Learner(Protocol):
         """Log metrics of the current update (once per update, at step = update index)."""
         ...
 
+    def step_values(self) -> dict[str, float]:
+        """The metrics recorded so far in the current update."""
+        ...
+
 
 @runtime_checkable
 class PairedLearner(Learner, Protocol):

@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 
-from salvage.types import RolloutBatch
+from salvage.types import PairedLearner, RolloutBatch
 
 
 class CostTracker(L.Callback):
@@ -87,7 +87,7 @@ class CheckpointCost(L.Callback):
 
     @staticmethod
     def keys(pl_module: L.LightningModule) -> dict[str, str]:
-        if hasattr(pl_module, "a") and hasattr(pl_module, "b"):
+        if isinstance(pl_module, PairedLearner):  # GRAFT: each model's score
             return {"a": "a/val/aggregate", "b": "b/val/aggregate"}
         return {"policy": "val/aggregate"}
 

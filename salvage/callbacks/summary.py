@@ -7,6 +7,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from salvage.types import Learner
+
 DEFAULT_KEYS = (
     "rollout/reward_mean",
     "rollout/success_rate",
@@ -46,7 +48,7 @@ class RunSummary(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
     ) -> None:
-        logged = getattr(pl_module, "_step_log", None)
+        logged = pl_module.step_values() if isinstance(pl_module, Learner) else {}
         m = logged if logged else trainer.callback_metrics
         for k in self.keys:
             if k in m:

@@ -7,7 +7,7 @@ on an ``EnvPool``, and hands GRPOModule a ``RolloutBatch`` whose trajectories ca
 (training only); success is ``won``. An episode whose environment crashed or hung is
 failed, logged, counted in ``env/errors`` and left out of its group (never trained on).
 Evaluation logs success overall and per task family; for environments that grade episodes
-(``reports_score``, e.g. WebShop) each trajectory carries ``info["score"]`` and the datamodule
+(``reports_score``, e.g. WebShop) each trajectory carries ``Trajectory.score`` and the datamodule
 adds an ``EnvScoreMetrics`` callback logging ``<prefix>/<env>_score`` (100 x mean score) and
 ``<prefix>/<env>_success`` (100 x fraction with score 1), SPEC §2.6.
 """

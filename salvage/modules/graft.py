@@ -425,6 +425,10 @@ class GRAFTModule(L.LightningModule):
         self._step_log.update(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
 
+    def step_values(self) -> dict[str, float]:
+        """The metrics recorded so far in the current update (sent to the loggers at its end)."""
+        return dict(self._step_log)
+
     def record(self, values: dict[str, float]) -> None:
         """Callbacks' step metrics (cost, ...) go out with the module's, once per update."""
         self._step_log.update({k: float(v) for k, v in values.items()})

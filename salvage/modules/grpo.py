@@ -698,6 +698,10 @@ class GRPOModule(L.LightningModule):
         return values
 
     # ------------------------------------------------------------------ step logging
+    def step_values(self) -> dict[str, float]:
+        """The metrics recorded so far in the current update (sent to the loggers at its end)."""
+        return dict(self._step_log)
+
     def record(self, values: dict[str, float]) -> None:
         """Log metrics of the current update (module and callbacks alike).
 
