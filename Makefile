@@ -37,6 +37,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check salvage tests benchmarks
 	$(BIN)/ruff format --check salvage tests benchmarks
+	$(BIN)/mypy salvage
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -137,7 +137,7 @@ def fixed_batch(tok_vocab: int, rows: int, seq: int, rank: int, relays: bool):
     batch = RolloutBatch(groups=groups)
     if relays:
         t = SeqTarget(list(range(10, 10 + prompt_len)), list(range(20, 20 + seq // 8)))
-        batch.extras["relays"] = [RelayData(bridge=[t, t], resume=[t], pair=(t, t))]
+        batch.relays = [RelayData(bridge=[t, t], resume=[t], pair=(t, t))]
     return batch
 
 
@@ -151,12 +151,12 @@ class FixedData(L.LightningDataModule):
 
     def on_after_batch_transfer(self, batch, dataloader_idx):
         from salvage.distributed import world
+        from salvage.types import PairedBatch
 
         batch = fixed_batch(512, self.rows, self.seq, world()[0], self.relays)
         if self.trainer.lightning_module.__class__.__name__ == "GRAFTModule":
-            batch.extras.update(
-                a=batch, b=fixed_batch(512, self.rows, self.seq, world()[0] + 100, False)
-            )
+            other = fixed_batch(512, self.rows, self.seq, world()[0] + 100, False)
+            return PairedBatch(groups=batch.groups, a=batch, b=other)
         return batch
 
 
@@ -168,7 +168,9 @@ class Timer(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         sync()
         self.t0 = time.perf_counter()
-        parts = [batch.extras["a"], batch.extras["b"]] if "a" in batch.extras else [batch]
+        from salvage.types import PairedBatch
+
+        parts = [batch.a, batch.b] if isinstance(batch, PairedBatch) else [batch]
         self.tokens = sum(
             len(t.turns[0].prompt_ids) + len(t.turns[0].response_ids)
             for b in parts

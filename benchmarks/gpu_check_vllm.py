@@ -154,7 +154,7 @@ def greedy(eng, prompt) -> list[int]:
 
 
 def gpu_checks(model_dir: Path, bound: float) -> None:
-    from salvage.lm import response_logprobs
+    from salvage.lm import bump_weights_version, response_logprobs
     from salvage.models import PolicySpec, load_policy
     from salvage.rollout.config import EngineConfig, build_engine
 
@@ -178,7 +178,7 @@ def gpu_checks(model_dir: Path, bound: float) -> None:
         before = greedy(eng, prompts[0])
         with torch.no_grad():
             model.model.norm.weight.neg_()
-        model._salvage_version = model_version = 1
+        model_version = bump_weights_version(model)
         eng.prepare()
         after = greedy(eng, prompts[0])
         eng.release()  # sleep (weights to CPU)

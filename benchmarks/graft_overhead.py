@@ -42,7 +42,7 @@ import lightning as L  # noqa: E402
 import yaml  # noqa: E402
 
 import salvage.modules.graft as graft_mod  # noqa: E402
-from salvage.datamodules.common import assign_advantages  # noqa: E402
+from salvage.core.grpo import assign_advantages  # noqa: E402
 from salvage.datamodules.graft import GraftDataModule  # noqa: E402
 from salvage.models import PolicySpec  # noqa: E402
 from salvage.modules.graft import GRAFTModule  # noqa: E402
@@ -59,9 +59,7 @@ class ForcedExchange(GraftDataModule):
     def train_rollout(self, tasks):  # noqa: ANN001, ANN201
         batch = super().train_rollout(tasks)
         n = self.group_size
-        for q, (ga, gb) in enumerate(
-            zip(batch.extras["a"].groups, batch.extras["b"].groups, strict=True)
-        ):
+        for q, (ga, gb) in enumerate(zip(batch.a.groups, batch.b.groups, strict=True)):
             src, dst = (ga, gb) if q % 2 == 0 else (gb, ga)
             for g, ok in ((src, [i == q % n for i in range(n)]), (dst, [False] * n)):
                 for t, s in zip(g.trajectories, ok, strict=True):

@@ -107,7 +107,8 @@ def collect(paths: list[Path]) -> list[RunData]:
                 "METHOD/RUN/... or STUDY/METHOD/RUN/...)"
             )
         found += runs
-    out, pos = [], {}
+    out: list[RunData] = []
+    pos: dict[str, int] = {}
     for r in found:
         method = r.parent.name
         m = _SEED.search(r.name)
@@ -268,7 +269,8 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
     keys = metrics or heldout_keys(runs)
     out.mkdir(parents=True, exist_ok=True)
     all_keys = {k for r in runs for k in r.series}
-    plots, missing = [], []
+    plots: list[str] = []
+    missing: list[str] = []
     for k in keys:
         (plots if plot(runs, k, "held-out", out / f"{_slug(k)}.png") else missing).append(k)
     for (title, pat), optional in [(c, False) for c in CURVES] + [

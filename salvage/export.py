@@ -131,7 +131,7 @@ def export(
         stored["name_or_path"] = model
     spec = PolicySpec(**stored)
     tok = load_tokenizer(spec)
-    net = load_model(spec, tok)
+    net: Any = load_model(spec, tok)  # a transformers model (``save_pretrained``)
     weights = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
     missing, unexpected = net.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings

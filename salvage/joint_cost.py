@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from salvage.core.cost import SelectedCheckpoint, best_checkpoint_cost, separate_runs_cost
 from salvage.report import _newest, load_metrics
@@ -38,7 +39,7 @@ def run_checkpoint_cost(run_dir: str | Path, key: str = "val/aggregate") -> Sele
     return best_checkpoint_cost(series[key], series["cost/gpu_hours"])
 
 
-def joint_cost(run_dirs: list[str | Path], key: str = "val/aggregate") -> dict[str, object]:
+def joint_cost(run_dirs: list[str | Path], key: str = "val/aggregate") -> dict[str, Any]:
     """Per run (its checkpoint) and ``joint_gpu_hours``, the sum over the runs."""
     runs = {str(r): run_checkpoint_cost(r, key) for r in run_dirs}
     return {

@@ -1,10 +1,28 @@
-"""Small LM utilities shared by rollout engines and modules: padding and token log-probs."""
+"""Small LM utilities shared by rollout engines and modules: padding, token log-probs, and
+the weights version an engine holding a copy of a policy syncs on."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
+
+from salvage.core.losses import seq_mean_logprob
+from salvage.types import SeqTarget
+
+_VERSIONS: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def weights_version(model: torch.nn.Module) -> int:
+    """How many updates changed ``model``'s weights (0 for a model never updated)."""
+    return _VERSIONS.get(model, 0)
+
+
+def bump_weights_version(model: torch.nn.Module) -> int:
+    """Count one update of ``model`` (engines holding a copy, vLLM, re-sync on a new version)."""
+    _VERSIONS[model] = weights_version(model) + 1
+    return _VERSIONS[model]
 
 
 def pad_right(
@@ -109,3 +127,24 @@ def response_logprobs(
     finally:
         model.train(was_training)
     return out
+
+
+def target_scores(
+    model: torch.nn.Module,
+    targets: Sequence[SeqTarget],
+    pad_id: int,
+    device: torch.device | str | None,
+) -> torch.Tensor:
+    """s(y|h) per target: the mean log-prob of its counted response tokens (temperature 1).
+
+    The one masked-likelihood score of the package: VH-GPO's pair / bridge / resume terms
+    and SGT's NLL term (``-s``) all score with it. Differentiable (no ``no_grad``).
+    """
+    ids, mask = pad_right([t.prompt_ids + t.response_ids for t in targets], pad_id, device)
+    lp = token_logprobs(model, ids, mask, 1.0)
+    count = torch.zeros_like(lp)
+    for i, t in enumerate(targets):
+        m = t.mask if t.mask is not None else [1] * len(t.response_ids)
+        a = len(t.prompt_ids) - 1
+        count[i, a : a + len(m)] = torch.tensor(m, dtype=lp.dtype, device=lp.device)
+    return seq_mean_logprob(lp, count)

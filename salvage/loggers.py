@@ -94,8 +94,11 @@ class WandbLogger(_LightningWandbLogger):
         notes: str | None = None,
         **kwargs: Any,
     ) -> None:
-        extra = {"group": group, "job_type": job_type, "tags": tags, "notes": notes}
-        super().__init__(save_dir=save_dir, **{k: v for k, v in extra.items() if v}, **kwargs)
+        extra: dict[str, Any] = {"group": group, "job_type": job_type, "tags": tags, "notes": notes}
+        kwargs.update({k: v for k, v in extra.items() if v})
+        if save_dir is not None:  # None: Lightning's default, or a ``dir`` given in kwargs
+            kwargs["save_dir"] = save_dir
+        super().__init__(**kwargs)
         self._explicit_dir = self._wandb_init.get("dir") not in (None, ".")
         self._explicit_id = self._wandb_init.get("id") is not None
         self._run_dir: Callable[[], str] | None = None

@@ -37,7 +37,7 @@ def shape_of(spec: dict[str, Any]) -> Shape:
         conf = AutoConfig.from_pretrained(path, local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(conf)
-    c = model.config
+    c: Any = model.config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     return Shape(

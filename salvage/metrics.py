@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from typing import cast
 
 import torch
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MeanMetric, Metric, SumMetric
 
 
 class StepMetrics(torch.nn.Module):
@@ -31,13 +32,15 @@ class StepMetrics(torch.nn.Module):
         )
         self._touched: set[str] = set()
 
+    def metric(self, name: str) -> Metric:
+        """The torchmetrics metric behind ``name``."""
+        return cast(Metric, self.metrics[self._key[name]])
+
     def update(
         self, name: str, value: float | torch.Tensor, weight: float | torch.Tensor = 1.0
     ) -> None:
-        m = self.metrics[self._key[name]]
-        v = torch.as_tensor(
-            value, dtype=torch.float32, device=m.device if hasattr(m, "device") else None
-        )
+        m = self.metric(name)
+        v = torch.as_tensor(value, dtype=torch.float32, device=m.device)
         if isinstance(m, MeanMetric):
             m.update(v, torch.as_tensor(weight, dtype=torch.float32, device=v.device))
         else:
@@ -48,7 +51,7 @@ class StepMetrics(torch.nn.Module):
         """Values of all metrics (NaN-free: untouched means are reported as absent)."""
         out: dict[str, float] = {}
         for n in self.names:
-            m = self.metrics[self._key[n]]
+            m = self.metric(n)
             with warnings.catch_warnings():  # untouched metric: NaN / 0, dropped below
                 warnings.simplefilter("ignore")
                 val = m.compute()

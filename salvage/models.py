@@ -356,7 +356,7 @@ def smollm2_checkpoint() -> Path:
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
     cls = type(quant)
-    plain = cls(cfg)
+    plain: Any = cls(cfg)
     plain.load_state_dict(quant.state_dict())
     plain = plain.to(torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)

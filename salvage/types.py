@@ -13,12 +13,20 @@ Layout of a rollout batch::
           advantage              filled by the advantage estimator (core/grpo.py)
 
 Every response token of every turn of a trajectory carries that trajectory's advantage.
+
+What passes between the stages is typed here, never a free-form dict: the rollout stage
+fills ``RolloutBatch.stats`` (``RolloutStats``); a rescue callback attaches
+``RolloutBatch.relays`` (``RelayData``); an exchange (GRAFT, stored peers) replaces groups
+(``Group.peer``), keeps the receiver's ``own_groups`` for its rollout metrics and fixes
+``minibatch_groups``; a peer trajectory names its policy loss (``Trajectory.loss``,
+``Trajectory.seq_ratio``). GRAFT's two-model batch is a ``PairedBatch``. ``Trajectory.info``
+holds diagnostics only (seeds, ids): no stage reads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -73,10 +81,34 @@ class Trajectory:
     """Who produced it: ``"self"``, or a peer/teacher name (GRAFT, VH-GPO)."""
     weight: float = 1.0
     """Per-trajectory loss weight (GRAFT's compatibility weight; 1 for own rollouts)."""
+    loss: str = "clip"
+    """The registered policy loss of its tokens (``salvage.core.policy_loss``): ``clip``,
+    ``luffy``; ``hacpo`` labels HACPO's peer rows (clip loss with a sequence ratio)."""
+    seq_ratio: SeqRatio | None = None
+    """A sequence-level ratio (HACPO rows, Table 2a's peer rows): the row takes the
+    ``sequence`` loss instead of ``loss``."""
+    compat: float | None = None
+    """A peer response's compatibility score ``s`` under the receiver (GRAFT, SPEC §3.2)."""
+    score: float | None = None
+    """The environment's grade of the episode (WebShop's score), where it grades."""
+    episode: Any = None
+    """The agent runner's episode (``salvage.rollout.agent.Episode``): its actions, turns
+    and restorable states, for a rescue search (VH-GPO)."""
 
     @property
     def num_response_tokens(self) -> int:
         return sum(t.num_response_tokens for t in self.turns)
+
+
+@dataclass(frozen=True)
+class SeqRatio:
+    """One ratio per sequence, ``exp(mean logp_theta - ref)``, clipped to ``[low, high]``."""
+
+    ref: float
+    """The mean token log-prob the current one is compared with."""
+    low: float
+    high: float | None = None
+    """None: no upper bound (HACPO's peer ratio as the GRAFT paper ran it)."""
 
 
 @dataclass
@@ -87,7 +119,10 @@ class Group:
     trajectories: list[Trajectory]
     task: dict[str, Any] = field(default_factory=dict)
     zero_signal: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
+    peer: bool = False
+    """The group was received from a peer (GRAFT exchange, stored mode)."""
+    failed_episodes: int = 0
+    """Episodes of this task dropped for an environment error (agent rollouts)."""
 
     @property
     def rewards(self) -> list[float]:
@@ -109,10 +144,16 @@ class RolloutBatch:
 
     groups: list[Group]
     temperature: float = 1.0
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: RolloutStats = field(default_factory=lambda: RolloutStats())
     """Timings and counters of the stage that produced the batch (seconds, tokens)."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Attachments of later stages (relays, exchanged groups, ...)."""
+    relays: list[RelayData] = field(default_factory=list)
+    """Retained VH-GPO relays, attached by a rescue callback (``salvage.callbacks.relay``)."""
+    own_groups: list[Group] | None = None
+    """After an exchange replaced groups: the groups this policy sampled itself (its
+    rollout metrics are over these, not over what it trains on)."""
+    minibatch_groups: list[list[int]] | None = None
+    """Group indices of each minibatch, fixed by an exchange (GRAFT's peer-last order);
+    None: the update splits the trajectories itself."""
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -127,9 +168,84 @@ class RolloutBatch:
         return self
 
 
+@dataclass(kw_only=True)
+class PairedBatch(RolloutBatch):
+    """GRAFT's batch: the same prompts rolled out by policy A and by policy B.
+
+    Its own ``groups`` stay empty; ``stats`` are the two rollouts' together, timed from the
+    first one's start.
+    """
+
+    a: RolloutBatch
+    b: RolloutBatch
+
+    def parts(self) -> dict[str, RolloutBatch]:
+        """The per-model batches by name."""
+        return {"a": self.a, "b": self.b}
+
+
+@dataclass
+class RolloutStats:
+    """Timings (seconds) and counters of one rollout; None: the stage has no such part."""
+
+    t_start: float | None = None
+    """``time.perf_counter()`` when the step's rollout began (the step clock's start)."""
+    time_generate: float | None = None
+    time_reward: float | None = None
+    time_env: float | None = None
+    time_env_startup: float | None = None
+    """Environment start-up (new instances after a start or resume): set-up, not step time."""
+    time_rollout: float | None = None
+    gen_tokens: float = 0.0
+    verifier_timeouts: float = 0.0
+    env_errors: float | None = None
+    env_steps: float | None = None
+
+    def timings(self) -> dict[str, float]:
+        """The ``time_*`` stages this rollout had, by name."""
+        return {
+            f.name: float(v)
+            for f in fields(self)
+            if f.name.startswith("time_") and (v := getattr(self, f.name)) is not None
+        }
+
+    def plus(self, other: RolloutStats) -> RolloutStats:
+        """Both rollouts' timings and counters summed; the clock starts at this one's."""
+        out = RolloutStats(t_start=self.t_start)
+        for f in fields(self):
+            if f.name == "t_start":
+                continue
+            x, y = getattr(self, f.name), getattr(other, f.name)
+            setattr(out, f.name, y if x is None else x if y is None else x + y)
+        return out
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Samples continuations of prompts from a policy (HF generate on CPU, vLLM on GPU)."""
+    """Samples continuations of prompts from a policy (HF generate on CPU, vLLM on GPU).
+
+    A rollout phase is ``prepare()``, any number of ``generate`` calls, ``release()``; every
+    rank calls ``prepare`` and ``release`` (they may hold collectives). The settings are
+    the defaults of a ``generate`` call that does not override them.
+    """
+
+    model: torch.nn.Module
+    """The live policy it samples from (an engine holding a copy re-syncs in ``prepare``)."""
+    tokenizer: Any
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    calls: int
+    """``generate`` calls so far: an unseeded call takes it as its seed."""
+
+    def prepare(self) -> None:
+        """Make the engine ready to sample the current weights (vLLM: wake, re-sync)."""
+        ...
+
+    def release(self) -> None:
+        """Give the engine's memory back to training at the end of a rollout phase."""
+        ...
 
     def generate(
         self,
@@ -146,15 +262,68 @@ class RolloutEngine(Protocol):
         ...
 
 
+@dataclass
+class Response:
+    """A policy's answer to one agent prompt (an oracle's has text only, no tokens)."""
+
+    text: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+
 @runtime_checkable
 class Policy(Protocol):
-    """Maps an observation (the visible history, as text) to an answer text.
+    """Answers a batch of agent prompts (the visible history, as text), one per live episode.
 
-    Used by VH-GPO for teachers and students alike; an LM policy wraps an engine, an
-    oracle policy reads an environment's gold path.
+    Used by VH-GPO for teachers and students alike: an LM policy wraps an engine
+    (``salvage.rollout.agent.LMPolicy``), an oracle policy answers the environment's
+    ``oracle_action`` (``OraclePolicy``, ``needs_oracle``: the runner asks the
+    environments for it first, into ``infos``).
     """
 
-    def act(self, prompts: Sequence[str], *, seed: int | None = None) -> list[str]: ...
+    needs_oracle: bool
+
+    def respond(
+        self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int
+    ) -> list[Response]: ...
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """What the data and callback stages use of the module being trained (``GRPOModule`` and
+    its subclasses, ``GRAFTModule``): the policy to sample from, its tokenizer, the models to
+    gather for a rollout phase, and the step-metric sink."""
+
+    @property
+    def policy(self) -> torch.nn.Module | None: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def inference_models(self) -> list[torch.nn.Module]:
+        """Models that sample or score without gradients (gathered together under FSDP)."""
+        ...
+
+    def sampling_models(self) -> list[torch.nn.Module]:
+        """Models that generate during rollouts (gathered for them under FSDP)."""
+        ...
+
+    def record(self, values: dict[str, float]) -> None:
+        """Log metrics of the current update (once per update, at step = update index)."""
+        ...
+
+    def step_values(self) -> dict[str, float]:
+        """The metrics recorded so far in the current update."""
+        ...
+
+
+@runtime_checkable
+class PairedLearner(Learner, Protocol):
+    """A module training two policies (GRAFT): each by name, ``a`` and ``b``."""
+
+    def learner(self, name: str) -> Learner: ...
 
 
 @dataclass
@@ -180,6 +349,17 @@ class Env(Protocol):
     def snapshot(self) -> dict[str, Any]: ...
 
     def restore(self, state: dict[str, Any]) -> str: ...
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The current state's info: ``won``, ``admissible``, ``score``, ``done``."""
+        ...
+
+    def oracle_action(self) -> str | None:
+        """The gold / expert next action where the environment knows one."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass

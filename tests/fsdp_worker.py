@@ -24,11 +24,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from salvage.datamodules.common import assign_advantages  # noqa: E402
+from salvage.core.grpo import assign_advantages  # noqa: E402
 from salvage.distributed import FSDPConfig, world  # noqa: E402
 from salvage.lm import response_logprobs  # noqa: E402
 from salvage.models import PolicySpec, load_policy  # noqa: E402
-from salvage.types import Group, RelayData, RolloutBatch, SeqTarget, Trajectory, Turn  # noqa: E402
+from salvage.types import (  # noqa: E402
+    Group,
+    PairedBatch,
+    RelayData,
+    RolloutBatch,
+    SeqTarget,
+    Trajectory,
+    Turn,
+)
 
 SPEC_A = PolicySpec("tiny")
 SPEC_B = PolicySpec("tiny", vocab_size=384, seed=1)
@@ -129,14 +137,14 @@ def build_batch(kind: str, rank: int, world_size: int) -> RolloutBatch:
         gb = _groups(SPEC_B, SUCC_B)
         ra = RolloutBatch(groups=[ga[i] for i in mine])
         rb = RolloutBatch(groups=[gb[i] for i in mine])
-        return RolloutBatch(groups=ra.groups, extras={"a": ra, "b": rb})
+        return PairedBatch(groups=ra.groups, a=ra, b=rb)
     batch = RolloutBatch(groups=[ga[i] for i in mine])
     # two minibatches: global {g0, g2} then {g1, g3}; each rank holds one group of each
     glob = [[0, 2], [1, 3]]
-    batch.extras["minibatch_groups"] = [[mine.index(i) for i in mb if i in mine] for mb in glob]
+    batch.minibatch_groups = [[mine.index(i) for i in mb if i in mine] for mb in glob]
     if kind == "vhgpo":
         relays = _relays(SPEC_A)
-        batch.extras["relays"] = relays[rank::world_size]
+        batch.relays = relays[rank::world_size]
     return batch
 
 

@@ -131,3 +131,21 @@ def test_token_logprobs_from_first_position_equal_the_full_pass(tiny):
     assert part.shape == full.shape
     assert torch.allclose(part[:, 4:], full[:, 4:], atol=1e-6)
     assert torch.all(part[:, :4] == 0)
+
+
+def test_engines_and_policies_implement_the_protocols(tiny):
+    """What the stages call is what salvage.types promises (no feature probes)."""
+    from salvage.core.agent import AgentFormat
+    from salvage.rollout.agent import LMPolicy, OraclePolicy
+    from salvage.types import Policy, RolloutEngine
+
+    model, tok = tiny
+    eng = HFEngine(model, tok, max_new_tokens=4)
+    assert isinstance(eng, RolloutEngine) and eng.model is model
+    eng.prepare()  # a rollout phase on an engine that samples the live module: no-ops
+    eng.generate(_prompts(tok)[:1], n=1, seed=0)
+    eng.release()
+    assert eng.calls == 1
+    fmt = AgentFormat()
+    assert isinstance(LMPolicy(eng, tok, fmt), Policy) and not LMPolicy.needs_oracle
+    assert isinstance(OraclePolicy(fmt), Policy) and OraclePolicy.needs_oracle

@@ -66,6 +66,12 @@ class FlakyEngine:
         self.engine, self.failures, self.calls = engine, failures, 0
         self.model, self.temperature = engine.model, engine.temperature
 
+    def prepare(self):  # the RolloutEngine protocol: a rollout phase begins and ends
+        self.engine.prepare()
+
+    def release(self):
+        self.engine.release()
+
     def generate(self, *a, **kw):
         self.calls += 1
         if self.calls <= self.failures:

@@ -207,9 +207,9 @@ def test_gpu_config_shrunk_to_tiny_changes_most_parameters(path, tmp_path, monke
     ref = load_model(PolicySpec(**{**spec.__dict__, "dtype": "float32"}), tok).eval()
     batch = contrast_batch(tok, ref)
     if len(keys) == 2:  # GRAFT: both policies see their own groups (no prompt is complementary)
-        from salvage.types import RolloutBatch
+        from salvage.types import PairedBatch
 
-        batch = RolloutBatch(groups=[], extras={"a": batch, "b": contrast_batch(tok, ref)})
+        batch = PairedBatch(groups=[], a=batch, b=contrast_batch(tok, ref))
     assert isinstance(cli.trainer, L.Trainer)
     loader = torch.utils.data.DataLoader([batch], batch_size=None, collate_fn=lambda b: b)
     cli.trainer.fit(cli.model, train_dataloaders=loader)

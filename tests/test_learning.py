@@ -103,15 +103,13 @@ def test_vhgpo_aux_losses_raise_the_bridge_likelihood():
         SeqTarget(h, _enc(tok, "<action>take coin</action>"), None),
         SeqTarget(h, _enc(tok, "<action>look around</action>"), None),
     )
-    batch = RolloutBatch(
-        groups=[], extras={"relays": [RelayData(bridge=[bridge], resume=[resume], pair=pair)]}
-    )
+    batch = RolloutBatch(groups=[], relays=[RelayData(bridge=[bridge], resume=[resume], pair=pair)])
     cfg = module.configure_optimizers()
     opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
 
     def bridge_loglik() -> float:
         with torch.no_grad():
-            return float(module._scores(module.policy, [bridge])[0])
+            return float(module.scores(module.policy, [bridge])[0])
 
     before = bridge_loglik()
     losses = []

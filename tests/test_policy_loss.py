@@ -16,7 +16,7 @@ from salvage.core.policy_loss import (
     row_policy_loss,
 )
 from salvage.models import PolicySpec
-from salvage.types import Group, RolloutBatch, Trajectory, Turn
+from salvage.types import Group, RolloutBatch, SeqRatio, Trajectory, Turn
 
 
 def _x(lp, old, adv, **kw):
@@ -85,10 +85,11 @@ def _reference_grads(policy, ref_policy, trajs, temperature, eps_low, eps_high, 
             )
         cur = [lps[start + j, tok] for j, tok in enumerate(turn.response_ids)]
         refs = [ref[start + j, tok] for j, tok in enumerate(turn.response_ids)]
-        kind = "sequence" if "seq_ratio" in t.info else t.info.get("loss", "clip")
+        kind = "sequence" if t.seq_ratio is not None else t.loss
         a = t.advantage
         if kind == "sequence":
-            seq_ref, low, high = t.info["seq_ratio"]
+            seq_ref, low = t.seq_ratio.ref, t.seq_ratio.low
+            high = math.inf if t.seq_ratio.high is None else t.seq_ratio.high
             rho = torch.exp(torch.stack(cur).mean() - seq_ref)
             term = -torch.minimum(rho * a, torch.clamp(rho, low, high) * a)
         for j, lp in enumerate(cur):
@@ -124,7 +125,7 @@ def test_fast_update_equals_the_slow_reference():
     module.configure_model()
     gen = torch.Generator().manual_seed(1)
 
-    def traj(n_prompt, n_resp, adv, w=1.0, source="self", **info):
+    def traj(n_prompt, n_resp, adv, w=1.0, source="self", loss="clip", seq_ratio=None):
         prompt = torch.randint(5, 200, (n_prompt,), generator=gen).tolist()
         resp = torch.randint(5, 200, (n_resp,), generator=gen).tolist()
         old = (-torch.rand(n_resp, generator=gen) * 6 - 1).tolist()  # ratios far from 1
@@ -136,7 +137,8 @@ def test_fast_update_equals_the_slow_reference():
             advantage=adv,
             weight=w,
             source=source,
-            info=info,
+            loss=loss,
+            seq_ratio=None if seq_ratio is None else SeqRatio(*seq_ratio),
         )
 
     trajs = [
@@ -145,7 +147,7 @@ def test_fast_update_equals_the_slow_reference():
         traj(6, 4, 1.1, w=0.6, source="peer"),  # GRAFT peer row, compatibility weight
         traj(5, 6, 0.9, source="peer", loss="luffy"),  # LUFFY-style peer tokens
         traj(3, 4, -1.2, seq_ratio=(-4.0, 0.8, 1.3)),  # HACPO own row: sequence-level ratio
-        traj(4, 3, 0.8, source="peer", loss="hacpo", seq_ratio=(-3.5, 0.85, math.inf)),
+        traj(4, 3, 0.8, source="peer", loss="hacpo", seq_ratio=(-3.5, 0.85, None)),
         traj(5, 3, 1.3, source="peer", loss="clip", seq_ratio=(-3.0, 0.8, 1.28)),  # Table 2a
     ]
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}

@@ -72,9 +72,7 @@ def test_module_aux_losses_match_direct_computation_and_omit_empty_terms():
     b1 = SeqTarget(enc("room with coin"), enc("<action>take coin</action>"))
     b2 = SeqTarget(enc("a kitchen"), enc("<action>look around</action>"))
     r1 = SeqTarget(enc("step 3"), enc("<action>move east</action>"))
-    batch = RolloutBatch(
-        groups=[], extras={"relays": [RelayData(bridge=[b1, b2], resume=[r1], pair=None)]}
-    )
+    batch = RolloutBatch(groups=[], relays=[RelayData(bridge=[b1, b2], resume=[r1], pair=None)])
     module.aux_backward(batch)
     values = module.step_metrics.compute()
 
@@ -104,7 +102,7 @@ def test_pair_term_at_reference_is_log2_and_lambda_zero_omits():
     rejected = SeqTarget(h, enc("<action>look around</action>"), None)
     b = SeqTarget(h, enc("<action>take coin</action>"))
     batch = RolloutBatch(
-        groups=[], extras={"relays": [RelayData(bridge=[b], resume=[], pair=(chosen, rejected))]}
+        groups=[], relays=[RelayData(bridge=[b], resume=[], pair=(chosen, rejected))]
     )
     module.aux_backward(batch)
     values = module.step_metrics.compute()
@@ -120,6 +118,8 @@ K = 3  # the scripted student is right from depth K on
 
 class ScriptedStudent:
     """Right action from depth >= K while the path is alive, else a wrong one; real tokens."""
+
+    needs_oracle = False  # the scripted env puts its oracle action in every info
 
     def __init__(self, tok, fmt):
         self.tok, self.fmt = tok, fmt
@@ -150,7 +150,7 @@ class ScriptedAgentData(AgentDataModule):
 class Capture(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batch = batch
-        self.relays = list(batch.extras.get("relays", []))
+        self.relays = list(batch.relays)
 
 
 def _run(tmp_path, rescue, **module_kw):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from salvage.lm import bump_weights_version, weights_version
 from salvage.rollout.config import EngineConfig, build_engine
-from salvage.rollout.vllm import iter_full_parameters, model_version, vllm_available
+from salvage.rollout.vllm import iter_full_parameters, vllm_available
 
 OK, WHY = vllm_available()
 needs_vllm = pytest.mark.skipif(not OK, reason=f"vLLM engine cannot run here: {WHY}")
@@ -40,14 +41,15 @@ def test_weight_stream_is_every_parameter_once(tiny):
     names = [n for n, _ in iter_full_parameters(model)]
     assert set(n for n, _ in model.named_parameters()) <= set(names)
     assert len(names) == len(set(names))
-    assert model_version(torch.nn.Linear(1, 1)) == 0
+    assert weights_version(torch.nn.Linear(1, 1)) == 0
 
 
 def test_engine_backend_starts_unsynced_and_level_0_never_sleeps(tiny):
     from salvage.rollout.vllm import _Backend
 
     model, _ = tiny
-    model._salvage_version = 4  # a resumed policy
+    for _ in range(4):  # a resumed policy
+        bump_weights_version(model)
     trainable = _Backend(llm=None, model=model, sleep_level=0, frozen=False)
     assert trainable.needs_sync()  # the first prepare() loads the live weights
     trainable.release()  # level 0: no llm.sleep call (vLLM's level 0 pauses scheduling)
@@ -120,7 +122,7 @@ def test_vllm_resyncs_weights_after_an_update(tiny64):
     before = eng.generate(prompt, n=1)[0][0].response_ids
     with torch.no_grad():
         model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
-    model._salvage_version = 1
+    bump_weights_version(model)
     eng.prepare()
     after = eng.generate(prompt, n=1)[0][0].response_ids
     assert after != before

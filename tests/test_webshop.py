@@ -416,8 +416,7 @@ def test_score_metrics_are_100_x_mean_and_100_x_fraction_of_ones():
             logged[key] = (value, kw["batch_size"])
 
     trajs = [
-        Trajectory(turns=[], reward=0.0, success=s == 1.0, info={"score": s})
-        for s in (1.0, 0.5, 0.0, 1.0)
+        Trajectory(turns=[], reward=0.0, success=s == 1.0, score=s) for s in (1.0, 0.5, 0.0, 1.0)
     ]
     batch = RolloutBatch(groups=[Group(task_id="t", trajectories=trajs, task={})])
     EnvScoreMetrics("webshop").on_test_batch_end(None, Module(), None, batch, 0)

@@ -23,7 +23,11 @@ import lightning as L
 import torch
 
 from salvage.callbacks.sft import OracleSFT
+from salvage.datamodules.base import attached_datamodule
+from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.errors import ConfigError
+from salvage.modules.graft import GRAFTModule
+from salvage.modules.grpo import GRPOModule
 from salvage.progress import stage
 from salvage.tasks.math import MathData, load_math_tasks, source_labels
 
@@ -69,10 +73,15 @@ class AnswerSFT(OracleSFT):
         # two instances (one per GRAFT model) keep their own 'done' flag in a checkpoint
         return self._generate_state_key(learner=self.learner)
 
-    def _target(self, pl_module: L.LightningModule) -> Any:
+    def _target(self, pl_module: L.LightningModule) -> GRPOModule:
         if self.learner is None:
+            if not isinstance(pl_module, GRPOModule):
+                raise ConfigError(
+                    f"AnswerSFT learner=None: the module {type(pl_module).__name__} has two "
+                    "models (use learner: a or learner: b)"
+                )
             return pl_module
-        if not hasattr(pl_module, "learner"):
+        if not isinstance(pl_module, GRAFTModule):
             raise ConfigError(
                 f"AnswerSFT learner={self.learner!r}: the module "
                 f"{type(pl_module).__name__} has a single policy (use learner: null)"
@@ -88,7 +97,7 @@ class AnswerSFT(OracleSFT):
         """(prompt ids, response ids) in the trained model's own tokenizer and template."""
         sources = self.data if isinstance(self.data, list) else [self.data]
         tok = module.tokenizer
-        dm = trainer.datamodule
+        dm = attached_datamodule(trainer, RLVRDataModule)
         pairs = []
         for src, label in zip(sources, source_labels(sources, "AnswerSFT.data"), strict=True):
             tasks, _ = load_math_tasks(src, label)
@@ -109,6 +118,8 @@ class AnswerSFT(OracleSFT):
         module = self._target(pl_module)
         pairs = self.demonstrations(trainer, module)
         model = module.policy
+        if model is None:
+            raise RuntimeError("AnswerSFT: the policy is not built yet (configure_model)")
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
         rng = random.Random(self.seed)
         pad = int(module.tokenizer.pad_token_id)
@@ -120,7 +131,7 @@ class AnswerSFT(OracleSFT):
         module.reset_reference()
         self.done = True
         prefix = f"{self.learner}/sft" if self.learner else "sft"
-        if hasattr(pl_module, "record_later"):
+        if isinstance(pl_module, (GRPOModule, GRAFTModule)):
             pl_module.record_later(
                 {
                     f"{prefix}/loss_first": self.history[0],

@@ -1,7 +1,7 @@
 """Cost accounting: per-step wall time and GPU-hours (SPEC §3.4).
 
 ``cost/gpu_hours`` = devices x summed per-step wall time / 3600. A step is timed from the
-start of its rollout (recorded by the datamodule in ``batch.stats["t_start"]``) to the
+start of its rollout (recorded by the datamodule in ``batch.stats.t_start``) to the
 end of its update, so validation and checkpoint writing (which run after
 ``on_train_batch_end`` of this callback, or outside the step) are excluded. On CPU it
 counts device-hours the same way. The cumulative totals are saved in checkpoints.
@@ -14,7 +14,7 @@ from typing import Any
 
 import lightning as L
 
-from salvage.types import RolloutBatch
+from salvage.types import PairedLearner, RolloutBatch
 
 
 class CostTracker(L.Callback):
@@ -32,9 +32,9 @@ class CostTracker(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not isinstance(batch, RolloutBatch) or "t_start" not in batch.stats:
+        if not isinstance(batch, RolloutBatch) or batch.stats.t_start is None:
             return
-        step_s = time.perf_counter() - batch.stats["t_start"]
+        step_s = time.perf_counter() - batch.stats.t_start
         self.total_step_s += step_s
         self.steps += 1
         devices = max(1, trainer.world_size)
@@ -43,9 +43,8 @@ class CostTracker(L.Callback):
             "cost/wall_s": self.total_step_s,
             "cost/gpu_hours": devices * self.total_step_s / 3600.0,
         }
-        for k, v in batch.stats.items():
-            if k.startswith("time_"):
-                values[f"cost/{k}"] = float(v)
+        for k, v in batch.stats.timings().items():
+            values[f"cost/{k}"] = v
         record = getattr(pl_module, "record", None)
         if record is not None:
             record(values)
@@ -88,13 +87,14 @@ class CheckpointCost(L.Callback):
 
     @staticmethod
     def keys(pl_module: L.LightningModule) -> dict[str, str]:
-        if hasattr(pl_module, "a") and hasattr(pl_module, "b"):
+        if isinstance(pl_module, PairedLearner):  # GRAFT: each model's score
             return {"a": "a/val/aggregate", "b": "b/val/aggregate"}
         return {"policy": "val/aggregate"}
 
     @staticmethod
     def _hours(trainer: L.Trainer) -> float:
-        cost = next((c for c in trainer.callbacks if isinstance(c, CostTracker)), None)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # attached by Lightning
+        cost = next((c for c in callbacks if isinstance(c, CostTracker)), None)
         return max(1, trainer.world_size) * (cost.total_step_s if cost else 0.0) / 3600.0
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -31,9 +31,10 @@ from typing import Any
 
 import lightning as L
 
+SUMMARY_COLUMNS: list[Any] = ["metric", "first", "last", "mean"]
 RELAY_KEY = "relay/records"
 EXCHANGE_KEY = "graft/exchange"
-RELAY_COLUMNS = [
+RELAY_COLUMNS: list[Any] = [
     "update",
     "task",
     "family",
@@ -51,7 +52,7 @@ RELAY_COLUMNS = [
     "tokens_search",
     "tokens_confirm",
 ]
-EXCHANGE_COLUMNS = [
+EXCHANGE_COLUMNS: list[Any] = [
     "update",
     "prompt",
     "task",
@@ -153,7 +154,7 @@ def eval_rows(metrics: dict[str, float]) -> list[list[Any]]:
     return rows
 
 
-def _incremental_table(columns: list[str]) -> Any:
+def _incremental_table(columns: list[Any]) -> Any:
     """An empty W&B table that logs only its new rows each time (None: W&B too old)."""
     import wandb
 
@@ -277,7 +278,7 @@ class WandbDashboard(L.Callback):
             if not rows:
                 continue
 
-            def log(lg: Any, key: str = key, columns: list[str] = columns, rows=rows) -> None:
+            def log(lg: Any, key: str = key, columns: list[Any] = columns, rows=rows) -> None:
                 done = lg.logged_through(key) if hasattr(lg, "logged_through") else -1
                 new = [r for r in rows if r[0] > done]
                 if not new:
@@ -323,21 +324,21 @@ class WandbDashboard(L.Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         rows = eval_rows(metrics)
         if rows:
-            cols = ["model", "benchmark", "pass@1", "std"]
+            cols: list[Any] = ["model", "benchmark", "pass@1", "std"]
             self._each(
                 "while logging the evaluation table",
                 lambda lg: lg.log_metrics({"eval/table": wandb.Table(cols, rows)}, step=step),
             )
         from salvage.callbacks.cost import CheckpointCost
 
-        cost = next((c for c in trainer.callbacks if isinstance(c, CheckpointCost)), None)
+        cost = next((c for c in _callbacks(trainer) if isinstance(c, CheckpointCost)), None)
         if cost is not None and cost.best:
-            cols = ["model", "best val/aggregate", "step", "GPU-hours"]
+            cost_cols: list[Any] = ["model", "best val/aggregate", "step", "GPU-hours"]
             crow = cost.rows()
             self._each(
                 "while logging the checkpoint-cost table",
                 lambda lg: lg.log_metrics(
-                    {"cost/checkpoint_table": wandb.Table(cols, crow)}, step=step
+                    {"cost/checkpoint_table": wandb.Table(cost_cols, crow)}, step=step
                 ),
             )
         self._log_report(trainer, step)
@@ -347,7 +348,7 @@ class WandbDashboard(L.Callback):
 
         from salvage.callbacks.summary import RunSummary
 
-        summary = next((c for c in trainer.callbacks if isinstance(c, RunSummary)), None)
+        summary = next((c for c in _callbacks(trainer) if isinstance(c, RunSummary)), None)
         rows = summary.rows() if summary is not None else []
         if not rows:
             return
@@ -360,9 +361,7 @@ class WandbDashboard(L.Callback):
         table = [list(r) for r in rows]
 
         def log(lg: Any) -> None:
-            lg.log_metrics(
-                {"summary/run": wandb.Table(["metric", "first", "last", "mean"], table)}, step=step
-            )
+            lg.log_metrics({"summary/run": wandb.Table(SUMMARY_COLUMNS, table)}, step=step)
             if hasattr(lg, "update_summary"):
                 lg.update_summary(values)
             else:
@@ -400,3 +399,8 @@ class WandbDashboard(L.Callback):
                 )
 
         self._each("while logging the report plots", log)
+
+
+def _callbacks(trainer: L.Trainer) -> list[Any]:
+    """The trainer's callbacks (an attribute Lightning attaches at run time)."""
+    return list(trainer.callbacks)  # type: ignore[attr-defined]

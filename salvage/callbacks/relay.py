@@ -19,7 +19,7 @@ convenience with no teacher tokens), named in the run summary and in ``relays.js
 Each runs in ``on_train_batch_start``: it restores recorded states, drives the pure search
 of ``salvage.core.relay`` with batched teacher / student rollouts (all requests of all
 selected groups at one search stage go to the engine together), and attaches the
-retained relays to ``batch.extras["relays"]`` for ``VHGPOModule``. It reports SPEC §2.5's
+retained relays to ``batch.relays`` for ``VHGPOModule``. It reports SPEC §2.5's
 accounting each step and cumulatively, and appends one record per searched group to
 ``relays.jsonl`` in the run directory.
 
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
 from salvage.core.agent import parse_action
 from salvage.core.relay import (
@@ -55,9 +56,19 @@ from salvage.core.relay import (
     select_backbone,
     select_groups_across_ranks,
 )
-from salvage.datamodules.common import step_seed
+from salvage.core.seeds import (
+    EXTRA_ROLLOUTS,
+    GROUP_OFFSET,
+    RELAY_DRIVE,
+    RELAY_SEARCH,
+    RELAY_SELECT,
+    step_seed,
+)
+from salvage.datamodules.agent import AgentDataModule
+from salvage.datamodules.base import attached_datamodule
 from salvage.distributed import all_reduce, gather_objects, gathered, run_file, shard_model, world
 from salvage.models import PolicySpec, load_policy
+from salvage.modules.grpo import GRPOModule
 from salvage.progress import stage
 from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
 from salvage.rollout.config import EngineConfig, build_engine
@@ -181,12 +192,12 @@ class RescueCallback(L.Callback):
         self.records = records
         self.acc = _Accounting()
         self._records_path: Path | None = None
+        self.teacher_model: torch.nn.Module | None = None
+        """A frozen LM teacher this stage loaded (None: none, or an oracle)."""
 
     # -- lifecycle -----------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        from salvage.datamodules.agent import AgentDataModule
-
-        dm = trainer.datamodule
+        dm = getattr(trainer, "datamodule", None)  # attached by Lightning at run time
         self._records_path = (
             run_file(trainer, "relays") if self.records else None
         )  # every rank: log_dir syncs
@@ -204,7 +215,7 @@ class RescueCallback(L.Callback):
         self.acc.total.update(state_dict["total"])
 
     def _rng(self, trainer: L.Trainer) -> random.Random:
-        return random.Random(step_seed(self.seed, trainer.global_step, 7))
+        return random.Random(step_seed(self.seed, trainer.global_step, RELAY_SELECT))
 
     def _write(self, trainer: L.Trainer, rec: dict[str, Any]) -> None:
         if not self.records:
@@ -223,7 +234,7 @@ class RescueCallback(L.Callback):
             keys = _Accounting.KEYS
             step = dict(zip(keys, all_reduce([step.get(k, 0.0) for k in keys]), strict=True))
             fracs = [f for part in gather_objects(fracs) for f in part]
-        pl_module.record(self.acc.metrics(step, fracs))
+        _learner(pl_module).record(self.acc.metrics(step, fracs))
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -240,10 +251,8 @@ class RescueCallback(L.Callback):
             with gathered(*self.inference_models(pl_module)):  # FSDP: searches sample locally
                 fracs = self.rescue(trainer, pl_module, batch, selected, step)
         finally:
-            live = getattr(trainer.datamodule, "live_engines", list)
-            for e in live():
-                if hasattr(e, "release"):
-                    e.release()  # vLLM: memory back to training
+            for e in _data(trainer).live_engines():
+                e.release()  # vLLM: memory back to training
         self._log(pl_module, step, fracs)
 
     def select(self, trainer: L.Trainer, batch: RolloutBatch) -> tuple[list[int], list[int]]:
@@ -268,14 +277,21 @@ class RescueCallback(L.Callback):
     ) -> list[float]:
         raise NotImplementedError
 
-    def inference_models(self, pl_module: L.LightningModule) -> list[Any]:
-        models = (  # the student and the teacher sample; the reference is not used here
-            pl_module.sampling_models()
-            if hasattr(pl_module, "sampling_models")
-            else [pl_module.policy]
-        )
-        teacher = getattr(self, "_teacher_model", None)
-        return models + ([teacher] if teacher is not None else [])
+    def inference_models(self, pl_module: L.LightningModule) -> list[torch.nn.Module]:
+        """The student's sampling models and a frozen LM teacher, gathered for a search (FSDP;
+        the reference is not used here)."""
+        models = _learner(pl_module).sampling_models()
+        return models + ([self.teacher_model] if self.teacher_model is not None else [])
+
+
+def _data(trainer: L.Trainer) -> AgentDataModule:
+    return attached_datamodule(trainer, AgentDataModule)
+
+
+def _learner(pl_module: L.LightningModule) -> GRPOModule:
+    if not isinstance(pl_module, GRPOModule):
+        raise TypeError(f"a rescue stage trains a GRPOModule, got {type(pl_module).__name__}")
+    return pl_module
 
 
 def _path(e: Episode) -> list[tuple[str, str]]:
@@ -303,6 +319,13 @@ class _Search:
     gen: Any
     req: Any = None
     result: RelayResult | None = None
+
+    @property
+    def outcome(self) -> RelayResult:
+        """The finished search's result."""
+        if self.result is None:
+            raise RuntimeError(f"the search of group {self.gi} has not finished")
+        return self.result
 
 
 class VerifiedHandoff(RescueCallback):
@@ -345,7 +368,8 @@ class VerifiedHandoff(RescueCallback):
     def describe(self) -> str:
         """One line for the run summary: the rescue stage, its variant and its teacher."""
         t = self.teacher_spec
-        who = "oracle (environment expert)" if t.kind == "oracle" else f"lm {t.policy.name_or_path}"
+        name = t.policy.name_or_path if t.policy is not None else "?"
+        who = "oracle (environment expert)" if t.kind == "oracle" else f"lm {name}"
         return (
             f"rescue: {type(self).__name__} (handoff={self.cfg.handoff}, "
             f"anchor_order={self.cfg.anchor_order}, search={self.cfg.search}), teacher: {who}"
@@ -353,16 +377,17 @@ class VerifiedHandoff(RescueCallback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        dm = trainer.datamodule
+        dm = _data(trainer)
+        module = _learner(pl_module)
         if self.teacher_spec.kind == "oracle":
             self._teacher = OraclePolicy(dm.fmt)
-        elif self._teacher is None:
+        elif self._teacher is None and self.teacher_spec.policy is not None:
             model, tok = load_policy(self.teacher_spec.policy)
-            model.eval().requires_grad_(False).to(pl_module.device)
-            mesh = pl_module.fsdp_mesh() if hasattr(pl_module, "fsdp_mesh") else None
+            model.eval().requires_grad_(False).to(module.device)
+            mesh = module.fsdp_mesh()
             if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
-                shard_model(model, mesh, pl_module.fsdp, frozen=True)
-            self._teacher_model = model
+                shard_model(model, mesh, module.fsdp, frozen=True)
+            self.teacher_model = model
             engine = build_engine(
                 self.teacher_spec.engine or dm.engine_cfg, model, tok, frozen=True
             )
@@ -377,13 +402,13 @@ class VerifiedHandoff(RescueCallback):
         selected: list[int],
         step: dict[str, float],
     ) -> list[float]:
-        dm = trainer.datamodule
+        dm = _data(trainer)
         rng = self._rng(trainer)
         H = dm.max_turns
         searches: list[_Search] = []
         for gi in selected:
             g = batch.groups[gi]
-            eps: list[Episode] = [t.info["episode"] for t in g.trajectories]
+            eps: list[Episode] = [t.episode for t in g.trajectories]
             bb = select_backbone([(len(e.actions), e.terminal) for e in eps], H, self.cfg.b_min)
             if bb is None:
                 self._write(
@@ -407,7 +432,7 @@ class VerifiedHandoff(RescueCallback):
                 anchors,
                 self.cfg,
                 rng,
-                seed=step_seed(self.seed, trainer.global_step, 11) + 10_007 * gi,
+                seed=step_seed(self.seed, trainer.global_step, RELAY_SEARCH) + GROUP_OFFSET * gi,
                 group_paths=[  # monotone search: the group's failed episodes, same start
                     _path(e)
                     for e in eps
@@ -419,7 +444,7 @@ class VerifiedHandoff(RescueCallback):
             s.req = next(gen)
             searches.append(s)
         student = dm.student()
-        base_seed = step_seed(self.seed, trainer.global_step, 13)
+        base_seed = step_seed(self.seed, trainer.global_step, RELAY_DRIVE)
         with stage("verified handoff search", total=len(searches), unit="group") as bar:
             self._drive(searches, dm, student, base_seed, bar)
         return self._collect(trainer, batch, searches, student, dm, step)
@@ -462,10 +487,10 @@ class VerifiedHandoff(RescueCallback):
         dm: Any,
         step: dict[str, float],
     ) -> list[float]:
-        relays: list[RelayData] = batch.extras.setdefault("relays", [])
+        relays: list[RelayData] = batch.relays
         fracs = []
         for s in searches:
-            r = s.result
+            r = s.outcome
             step["teacher_attempts"] = step.get("teacher_attempts", 0.0) + r.teacher_attempts
             step["recoveries"] = step.get("recoveries", 0.0) + float(r.recovered)
             step["extra_tokens_teacher"] = step.get("extra_tokens_teacher", 0.0) + r.teacher_tokens
@@ -478,10 +503,11 @@ class VerifiedHandoff(RescueCallback):
             rec = self._record(trainer, s)
             if r.retained:
                 relays.append(self._relay(s, student, dm.fmt, rec))
+                _, j_star, _ = r.handoff()
                 step["retained"] = step.get("retained", 0.0) + 1
-                step["sum_j"] = step.get("sum_j", 0.0) + r.j_star
+                step["sum_j"] = step.get("sum_j", 0.0) + j_star
                 step["sum_L"] = step.get("sum_L", 0.0) + r.L
-                fracs.append(r.j_star / r.L)
+                fracs.append(j_star / r.L)
             self._write(trainer, rec)
         return fracs
 
@@ -544,11 +570,12 @@ class VerifiedHandoff(RescueCallback):
 
     # -- relay assembly ----------------------------------------------------------------
     def _relay(self, s: _Search, student: LMPolicy, fmt: Any, rec: dict[str, Any]) -> RelayData:
-        r = s.result
-        recovery: Episode = r.recovery.ref
+        r = s.outcome
+        anchor, j_star, found = r.handoff()
+        recovery: Episode = found.ref
         tok = student.tokenizer
         bridge = []
-        for turn in recovery.turns[: r.j_star]:
+        for turn in recovery.turns[:j_star]:
             bridge.append(
                 SeqTarget(
                     student.encode(turn.prompt_text),
@@ -563,19 +590,19 @@ class VerifiedHandoff(RescueCallback):
                 if t.response_ids
             ]
         pair = None
-        d = pair_index(recovery.actions, s.backbone.actions, r.anchor, r.j_star, self.cfg.pair_walk)
+        d = pair_index(recovery.actions, s.backbone.actions, anchor, j_star, self.cfg.pair_walk)
         if d is not None:
-            failed_turn = s.backbone.turns[r.anchor + d]
+            failed_turn = s.backbone.turns[anchor + d]
             h = list(failed_turn.prompt_ids) or student.encode(failed_turn.prompt_text)
             pair = (
                 _action_target(h, recovery.turns[d].response_text, tok, fmt),
                 _action_target(h, failed_turn.response_text, tok, fmt),
             )
-            rec["pair_depth"] = r.anchor + d
+            rec["pair_depth"] = anchor + d
         return RelayData(bridge=bridge, resume=resume, pair=pair, record=rec)
 
     def _record(self, trainer: L.Trainer, s: _Search) -> dict[str, Any]:
-        r = s.result
+        r = s.outcome
         R = r.resume.n_actions if r.resume is not None else 0
         return {
             "step": trainer.global_step,
@@ -591,7 +618,7 @@ class VerifiedHandoff(RescueCallback):
             "j_early": r.j_early,
             "random_fallback": r.random_fallback,
             "R": R,
-            "teacher_frac": (r.j_star / r.L) if r.retained and r.L else None,
+            "teacher_frac": (r.handoff()[1] / r.L) if r.retained and r.L else None,
             "discovery": {str(k): v for k, v in r.discovery.items()},
             "teacher_attempts": r.teacher_attempts,
             "discovery_rollouts": r.discovery_rollouts,
@@ -678,19 +705,20 @@ class ExtraStudentRollouts(RescueCallback):
     ) -> list[float]:
         if not selected:
             return []
-        dm = trainer.datamodule
-        seed = step_seed(self.seed, trainer.global_step, 17)
+        dm = _data(trainer)
+        seed = step_seed(self.seed, trainer.global_step, EXTRA_ROLLOUTS)
         starts = [
             Start(batch.groups[gi].task, seed + 1000 + k)
             for gi in selected
             for k in range(self.extra_rollouts)
         ]
-        eps = dm.runner.run(starts, dm.student(), seed=seed, train=True)
+        runner = dm.live_runner()
+        eps = runner.run(starts, dm.student(), seed=seed, train=True)
         tokens = 0
         for n, gi in enumerate(selected):
             g = batch.groups[gi]
             new: list[Trajectory] = [
-                dm.runner.to_trajectory(e)
+                runner.to_trajectory(e)
                 for e in eps[n * self.extra_rollouts : (n + 1) * self.extra_rollouts]
                 if e.error is None
             ]

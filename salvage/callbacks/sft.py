@@ -18,10 +18,13 @@ from typing import Any
 import lightning as L
 import torch
 
-from salvage.core.losses import seq_mean_logprob
-from salvage.lm import pad_right, token_logprobs
+from salvage.datamodules.agent import AgentDataModule
+from salvage.datamodules.base import attached_datamodule
+from salvage.lm import target_scores
+from salvage.modules.grpo import GRPOModule
 from salvage.progress import stage
 from salvage.rollout.agent import OraclePolicy, Start
+from salvage.types import SeqTarget
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,10 @@ class OracleSFT(L.Callback):
         self.history = list(state_dict.get("history", []))
 
     def demonstrations(self, trainer: L.Trainer) -> list[tuple[list[int], list[int]]]:
-        dm = trainer.datamodule
+        dm = attached_datamodule(trainer, AgentDataModule)
         tasks = dm.tasks["train"]
         starts = [Start(tasks[i % len(tasks)], seed=i) for i in range(self.episodes)]
-        eps = dm.runner.run(starts, OraclePolicy(dm.fmt), seed=self.seed, train=False)
+        eps = dm.live_runner().run(starts, OraclePolicy(dm.fmt), seed=self.seed, train=False)
         student = dm.student()
         tok = student.tokenizer
         pairs = []
@@ -100,12 +103,8 @@ class OracleSFT(L.Callback):
     ) -> None:
         for _ in range(self.steps):
             batch = rng.sample(pairs, min(self.batch_size, len(pairs)))
-            ids, mask = pad_right([p + r for p, r in batch], pad, pl_module.device)
-            lp = token_logprobs(model, ids, mask)
-            count = torch.zeros_like(lp)
-            for i, (p, r) in enumerate(batch):
-                count[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
-            loss = -seq_mean_logprob(lp, count).mean()
+            targets = [SeqTarget(p, r) for p, r in batch]
+            loss = -target_scores(model, targets, pad, pl_module.device).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -121,7 +120,9 @@ class OracleSFT(L.Callback):
             raise RuntimeError(
                 "OracleSFT: no winning oracle episode to learn from (check the env and tasks)"
             )
-        model = pl_module.policy
+        if not isinstance(pl_module, GRPOModule):
+            raise TypeError(f"OracleSFT warm-starts a GRPOModule, got {type(pl_module).__name__}")
+        model = pl_module.live_policy
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
         rng = random.Random(self.seed)
         pad = int(pl_module.tokenizer.pad_token_id)
@@ -131,15 +132,14 @@ class OracleSFT(L.Callback):
         opt.zero_grad(set_to_none=True)
         pl_module.reset_reference()
         self.done = True
-        if hasattr(pl_module, "record_later"):
-            pl_module.record_later(
-                {
-                    "sft/loss_first": self.history[0],
-                    "sft/loss_last": self.history[-1],
-                    "sft/pairs": float(len(pairs)),
-                    "sft/steps": float(self.steps),
-                }
-            )
+        pl_module.record_later(
+            {
+                "sft/loss_first": self.history[0],
+                "sft/loss_last": self.history[-1],
+                "sft/pairs": float(len(pairs)),
+                "sft/steps": float(self.steps),
+            }
+        )
         log.info(
             "OracleSFT: loss %.3f -> %.3f over %d steps",
             self.history[0],

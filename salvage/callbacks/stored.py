@@ -29,12 +29,17 @@ from typing import Any
 
 import lightning as L
 
+from salvage.core.exchange import ExchangeRules
 from salvage.core.graft import plan_minibatches, select_unidirectional
-from salvage.datamodules.common import assign_advantages, step_seed
+from salvage.core.grpo import assign_advantages
+from salvage.core.seeds import STORED_ADMISSION, step_seed
+from salvage.datamodules.base import attached_datamodule
+from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.distributed import gathered
 from salvage.errors import DataError, MissingFileError
 from salvage.io import atomic_write_text
 from salvage.modules.graft import transplant
+from salvage.modules.grpo import GRPOModule
 from salvage.types import Group, RolloutBatch, Trajectory, Turn
 
 # A sampled token had a probability the sampler could represent: in float32 the smallest
@@ -148,15 +153,9 @@ class StoredPeer(L.Callback):
         if not 0 < delta <= 1:
             raise ValueError(f"StoredPeer delta={delta!r} must be in (0, 1]")
         self.dirpath = Path(dirpath)
-        self.opts = {
-            "delta": delta,
-            "gate": gate,
-            "floor": floor,
-            "peer_filter": peer_filter,
-            "peer_advantage": "source",
-            "admission": admission,
-            "peer_loss": "clip",
-        }
+        self.rules = ExchangeRules(
+            delta=delta, gate=gate, floor=floor, peer_filter=peer_filter, admission=admission
+        )
         self.seed = seed
         self.transferred = 0
 
@@ -198,7 +197,9 @@ class StoredPeer(L.Callback):
                 f"holds prompts {sorted(stored)[:4]}... but this step's batch "
                 f"is {sorted(mine)[:4]}...: the runs differ (data, seed or prompts_per_step)"
             )
-        dm = trainer.datamodule
+        dm = attached_datamodule(trainer, RLVRDataModule)
+        if not isinstance(pl_module, GRPOModule):
+            raise TypeError(f"StoredPeer trains a GRPOModule, got {type(pl_module).__name__}")
         peer_groups = []
         for g in batch.groups:
             p = stored[g.task_id]
@@ -240,12 +241,12 @@ class StoredPeer(L.Callback):
                 batch,
                 prompts,
                 pl_module,
-                self.opts,
-                random.Random(step_seed(self.seed, step, 31)),
+                self.rules,
+                random.Random(step_seed(self.seed, step, STORED_ADMISSION)),
             )
         self.transferred += len(prompts)
-        batch.extras["minibatch_groups"] = plan_minibatches(
-            [bool(g.info.get("peer")) for g in batch.groups],
+        batch.minibatch_groups = plan_minibatches(
+            [g.peer for g in batch.groups],
             "peer-last",
             pl_module.hparams.num_minibatches,
             random.Random(0),

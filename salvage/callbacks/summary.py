@@ -7,6 +7,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from salvage.types import Learner
+
 DEFAULT_KEYS = (
     "rollout/reward_mean",
     "rollout/success_rate",
@@ -46,7 +48,7 @@ class RunSummary(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
     ) -> None:
-        logged = getattr(pl_module, "_step_log", None)
+        logged = pl_module.step_values() if isinstance(pl_module, Learner) else {}
         m = logged if logged else trainer.callback_metrics
         for k in self.keys:
             if k in m:
@@ -68,7 +70,7 @@ class RunSummary(L.Callback):
             table.add_row(k, f"{first:.4g}", f"{last:.4g}", f"{mean:.4g}")
         console = Console()
         console.print(table)
-        for cb in trainer.callbacks:  # stages that name themselves (e.g. the VH-GPO teacher)
+        for cb in trainer.callbacks:  # type: ignore[attr-defined]  # stages that name themselves (e.g. the VH-GPO teacher)
             describe = getattr(cb, "describe", None)
             if callable(describe):
                 console.print(describe(), soft_wrap=True, markup=False)

@@ -39,6 +39,7 @@ def best_checkpoint_cost(
     for step, score in sorted(scores, key=lambda x: x[0]):
         if best is None or score > best:
             best_step, best = step, score
+    assert best_step is not None and best is not None  # scores is not empty
     before = [h for s, h in sorted(gpu_hours) if s <= best_step]
     if not before:
         raise ValueError(f"no cost/gpu_hours logged at or before step {best_step:g}")

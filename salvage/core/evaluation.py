@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from salvage.core.seeds import EVAL, EVAL_REPEATS
+
 
 def split_repeats(indices: Sequence[int], n_tasks: int) -> dict[int, list[int]]:
     """Index ``i`` of a test loader over ``R * n_tasks`` items -> repeat ``i // n_tasks``, task ``i % n_tasks``."""
@@ -25,8 +27,9 @@ def split_repeats(indices: Sequence[int], n_tasks: int) -> dict[int, list[int]]:
 
 
 def repeat_stream(repeat: int) -> int:
-    """Seed stream of evaluation repeat ``r``: repeat 0 keeps the single-run stream (1)."""
-    return 1 if repeat == 0 else 1000 + repeat
+    """Seed stream of evaluation repeat ``r``: repeat 0 keeps the single-run stream
+    (``core.seeds.EVAL``), repeat r > 0 takes ``core.seeds.EVAL_REPEATS + r``."""
+    return EVAL if repeat == 0 else EVAL_REPEATS + repeat
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

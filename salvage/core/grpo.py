@@ -14,6 +14,8 @@ from typing import Literal
 
 import torch
 
+from salvage.types import Group
+
 AdvantageEstimator = Literal["grpo", "drgrpo", "rloo"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
@@ -22,7 +24,7 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
 
 
 def group_advantages(
-    rewards: torch.Tensor, estimator: AdvantageEstimator = "grpo", eps: float = 1e-6
+    rewards: torch.Tensor, estimator: AdvantageEstimator | str = "grpo", eps: float = 1e-6
 ) -> torch.Tensor:
     """Advantages of the rollouts of ONE group (1-D tensor of rewards).
 
@@ -69,6 +71,24 @@ def is_zero_signal(
     flat = float(rewards.max() - rewards.min()) <= reward_tol
     no_adv = bool((advantages.abs() <= adv_tol).all())
     return all_failed and flat and no_adv
+
+
+def assign_advantages(
+    group: Group,
+    estimator: AdvantageEstimator | str = "grpo",
+    eps: float = 1e-6,
+    reward_tol: float = 1e-6,
+    adv_tol: float = 1e-6,
+) -> None:
+    """Write each trajectory's advantage (inside its group) and the group's zero-signal flag
+    (SPEC §1)."""
+    rewards = torch.tensor(group.rewards, dtype=torch.float32)
+    adv = group_advantages(rewards, estimator, eps)
+    for t, a in zip(group.trajectories, adv.tolist(), strict=True):
+        t.advantage = a
+    group.zero_signal = is_zero_signal(
+        rewards, torch.tensor(group.successes), adv, reward_tol, adv_tol
+    )
 
 
 def clipped_surrogate(

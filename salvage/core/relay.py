@@ -244,6 +244,14 @@ class RelayResult:
     known_failure: int | None = None
     """``monotone``: the deepest recovery index the group's own episodes showed as a failure."""
 
+    def handoff(self) -> tuple[int, int, Outcome]:
+        """(anchor, j_star, teacher recovery) of a retained relay."""
+        if not self.retained or self.anchor is None or self.j_star is None:
+            raise ValueError(f"a discarded search has no handoff ({self.reason})")
+        if self.recovery is None:
+            raise ValueError("a retained relay without a teacher recovery")
+        return self.anchor, self.j_star, self.recovery
+
 
 # --------------------------------------------------------------------------- pieces
 
@@ -510,14 +518,15 @@ def relay_search(
         res.reason = "no teacher recovery from any anchor"
         return res
     res.recovered = True
-    L = res.L
+    anchor, L = res.anchor, res.L
+    assert anchor is not None  # set together with the recovery
     if L < 1:
         res.reason = "teacher recovery has no actions"
         return res
 
     if cfg.handoff == "none":  # No Handoff ablation: the whole recovery is the bridge
         res.j_star = L
-        won = yield ReplayRequest(res.anchor, L, None, res.recovery)
+        won = yield ReplayRequest(anchor, L, None, res.recovery)
         res.retained, res.reason = bool(won), "" if won else "replay failed"
         return res
 
@@ -577,7 +586,7 @@ def relay_search(
     res.resume = outs[k]
 
     # -- full replay from the initial state
-    won = yield ReplayRequest(res.anchor, j_star, res.resume, res.recovery)
+    won = yield ReplayRequest(anchor, j_star, res.resume, res.recovery)
     if not won:
         res.reason = "replay failed"
         return res

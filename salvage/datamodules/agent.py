@@ -7,7 +7,7 @@ on an ``EnvPool``, and hands GRPOModule a ``RolloutBatch`` whose trajectories ca
 (training only); success is ``won``. An episode whose environment crashed or hung is
 failed, logged, counted in ``env/errors`` and left out of its group (never trained on).
 Evaluation logs success overall and per task family; for environments that grade episodes
-(``reports_score``, e.g. WebShop) each trajectory carries ``info["score"]`` and the datamodule
+(``reports_score``, e.g. WebShop) each trajectory carries ``Trajectory.score`` and the datamodule
 adds an ``EnvScoreMetrics`` callback logging ``<prefix>/<env>_score`` (100 x mean score) and
 ``<prefix>/<env>_success`` (100 x fraction with score 1), SPEC §2.6.
 """
@@ -22,13 +22,13 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from salvage.core.agent import AgentFormat
+from salvage.core.seeds import EVAL, TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
-from salvage.datamodules.common import step_seed
 from salvage.envs import env_class
 from salvage.envs.pool import EnvPool
 from salvage.rollout.agent import AgentRunner, LMPolicy, Start
 from salvage.rollout.config import EngineConfig
-from salvage.types import Group, RolloutBatch
+from salvage.types import Group, RolloutBatch, RolloutEngine, RolloutStats
 
 log = logging.getLogger(__name__)
 
@@ -181,31 +181,35 @@ class AgentDataModule(RolloutDataModule):
             self.pool = None
             self.runner = None
 
+    def live_runner(self) -> AgentRunner:
+        """The episode runner (set up with the environment pool in ``setup``)."""
+        if self.runner is None:
+            raise RuntimeError("the agent datamodule is not set up (no environment pool)")
+        return self.runner
+
     def student(self) -> LMPolicy:
-        module = self.trainer.lightning_module
-        return LMPolicy(self.engine, module.tokenizer, self.fmt, self.max_prompt_tokens)
+        return LMPolicy(self.engine, self.module.tokenizer, self.fmt, self.max_prompt_tokens)
 
     # ------------------------------------------------------------------ rollouts
     def train_rollout(self, tasks: list[dict[str, Any]]) -> RolloutBatch:
-        seed = step_seed(self.seed, self.trainer.global_step, 0)
+        seed = step_seed(self.seed, self.trainer.global_step, TRAIN)
         return self.rollout(tasks, self.group_size, seed, self.student())
 
     def eval_rollout(self, tasks: list[dict[str, Any]], split: str) -> RolloutBatch:
         policy = self.student()
         policy.engine = self._eval_engine()
-        seed = step_seed(self.seed, self.trainer.global_step, 1)
+        seed = step_seed(self.seed, self.trainer.global_step, EVAL)
         return self.rollout(tasks, 1, seed, policy, advantages=False)
 
-    def _eval_engine(self) -> Any:
+    def _eval_engine(self) -> RolloutEngine:
         from dataclasses import replace
 
         from salvage.rollout.config import build_engine
 
-        module = self.trainer.lightning_module
         return build_engine(
             replace(self.engine_cfg, temperature=self.val_temperature),
-            module.policy,
-            module.tokenizer,
+            self.policy(),
+            self.module.tokenizer,
         )
 
     def rollout(
@@ -225,14 +229,14 @@ class AgentDataModule(RolloutDataModule):
             trajs = [self.runner.to_trajectory(e) for e in eps if e.error is None]
             if self.reports_score:
                 for t in trajs:
-                    t.info["score"] = float(t.info["episode"].info.get("score", 0.0))
+                    t.score = float(t.episode.info.get("score", 0.0))
             for e in eps:
                 if e.error is not None:
                     log.warning("task %s episode %d failed: %s", task["id"], e.eid, e.error)
             if not trajs:
                 continue
             g = Group(task_id=task["id"], trajectories=trajs, task=task)
-            g.info["failed_episodes"] = n - len(trajs)
+            g.failed_episodes = n - len(trajs)
             if advantages and len(trajs) > 1:
                 self.assign_group_advantages(g)
             groups.append(g)
@@ -244,18 +248,18 @@ class AgentDataModule(RolloutDataModule):
         return RolloutBatch(
             groups=groups,
             temperature=self.engine_cfg.temperature if self.engine_cfg.temperature > 0 else 1.0,
-            stats={
+            stats=RolloutStats(
                 # environment start-up (new instances, e.g. JVMs, after a start or a resume)
                 # is set-up, not step time: the step clock starts that much later
-                "t_start": t0 + startup,
-                "time_env_startup": startup,
-                "time_generate": self.runner.time_policy - tp,
-                "time_env": self.runner.time_env - te,
-                "time_rollout": t_end - t0,
-                "gen_tokens": float(gen_tokens),
-                "env_errors": float(errors),
-                "env_steps": float(self.runner.env_steps - steps_before),
-            },
+                t_start=t0 + startup,
+                time_env_startup=startup,
+                time_generate=self.runner.time_policy - tp,
+                time_env=self.runner.time_env - te,
+                time_rollout=t_end - t0,
+                gen_tokens=float(gen_tokens),
+                env_errors=float(errors),
+                env_steps=float(self.runner.env_steps - steps_before),
+            ),
         )
 
 
@@ -274,7 +278,7 @@ class EnvScoreMetrics(Callback):
     def _log(self, pl_module: Any, batch: Any, prefix: str) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        scores = [t.info["score"] for t in batch.trajectories if "score" in t.info]
+        scores = [t.score for t in batch.trajectories if t.score is not None]
         if not scores:
             return
         n = len(scores)

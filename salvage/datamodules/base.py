@@ -9,17 +9,17 @@ finished ``RolloutBatch`` in ``on_train_batch_start`` (where rescue stages attac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from salvage.core.grpo import ADVANTAGE_ESTIMATORS
-from salvage.datamodules.common import assign_advantages
+from salvage.core.grpo import ADVANTAGE_ESTIMATORS, assign_advantages
+from salvage.core.seeds import permutation_seed
 from salvage.distributed import gathered, rank_share
 from salvage.rollout.config import EngineConfig, build_engine
-from salvage.types import Group, RolloutBatch
+from salvage.types import Group, Learner, RolloutBatch, RolloutEngine
 
 SPLITS_FOR_STAGE = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}
 
@@ -74,7 +74,7 @@ class StepBatches:
         """The whole batch of update ``step`` (every rank's share, in rank order)."""
         epoch, k = divmod(step, self.per_epoch)
         perm = torch.randperm(
-            self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self.n, generator=torch.Generator().manual_seed(permutation_seed(self.seed, epoch))
         )
         return perm[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
@@ -106,6 +106,8 @@ class RolloutDataModule(L.LightningDataModule):
         adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
         tasks_key: the subclass's name of ``tasks_per_step`` in error messages.
     """
+
+    trainer: L.Trainer  # attached by Lightning before any hook that rolls out
 
     def __init__(
         self,
@@ -144,7 +146,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size
         self.seed = seed
         self.tasks: dict[str, list[Any]] = {}
-        self._engine: Any = None
+        self._engine: RolloutEngine | None = None
+        self._engines: dict[str, RolloutEngine] = {}  # per-model engines (two-model runs)
 
     def assign_group_advantages(self, group: Group) -> None:
         """Each trajectory's advantage and the group's zero-signal flag (SPEC §1)."""
@@ -183,19 +186,30 @@ class RolloutDataModule(L.LightningDataModule):
         return self._eval_loader("test")
 
     @property
-    def engine(self) -> Any:
-        module = self.trainer.lightning_module
-        if self._engine is None or self._engine.model is not module.policy:
-            self._engine = build_engine(self.engine_cfg, module.policy, module.tokenizer)
+    def module(self) -> Learner:
+        """The module being trained (what the data stage uses of it)."""
+        return cast(Learner, self.trainer.lightning_module)
+
+    def policy(self) -> torch.nn.Module:
+        """The live policy of the module being trained (loaded by then)."""
+        policy = self.module.policy
+        if policy is None:
+            raise RuntimeError("the module's policy is not loaded (configure_model has not run)")
+        return policy
+
+    @property
+    def engine(self) -> RolloutEngine:
+        policy = self.policy()
+        if self._engine is None or self._engine.model is not policy:
+            self._engine = build_engine(self.engine_cfg, policy, self.module.tokenizer)
         return self._engine
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, RolloutBatch):
             return batch
-        module = self.trainer.lightning_module
         # only the models that generate are gathered (the reference scores in the update)
-        models = module.sampling_models() if hasattr(module, "sampling_models") else [module.policy]
-        engines = [e for e in self.live_engines() if hasattr(e, "prepare")]
+        models = self.module.sampling_models()
+        engines = self.live_engines()
         for e in engines:  # vLLM: wake, re-sync weights (collectives: every rank, same order)
             e.prepare()
         try:
@@ -211,9 +225,9 @@ class RolloutDataModule(L.LightningDataModule):
             for e in engines:
                 e.release()  # vLLM: give the memory back to training
 
-    def live_engines(self) -> list[Any]:
-        """The engines built so far (subclasses holding more add theirs)."""
-        found = [self._engine] + list(self.__dict__.get("_engines", {}).values())
+    def live_engines(self) -> list[RolloutEngine]:
+        """The engines built so far (the module's, and per-model ones of two-model runs)."""
+        found = [self._engine, *self._engines.values()]
         return [e for e in found if e is not None]
 
     def train_rollout(self, tasks: list[Any]) -> RolloutBatch:
@@ -221,3 +235,15 @@ class RolloutDataModule(L.LightningDataModule):
 
     def eval_rollout(self, tasks: list[Any], split: str) -> RolloutBatch:
         raise NotImplementedError
+
+
+D = TypeVar("D", bound=L.LightningDataModule)
+
+
+def attached_datamodule(trainer: L.Trainer, kind: type[D]) -> D:
+    """The trainer's datamodule, which a stage needs to be a ``kind`` (Lightning attaches it
+    at run time; a wrong pairing of callback and data fails here, naming both)."""
+    dm = getattr(trainer, "datamodule", None)
+    if not isinstance(dm, kind):
+        raise TypeError(f"this stage needs data of type {kind.__name__}, got {type(dm).__name__}")
+    return dm

@@ -2,20 +2,21 @@
 
 Each step samples ``group_size`` (n) responses per prompt from policy A and from policy
 B (each through its own tokenizer, chat template and engine), scores them with the same
-verifier, and computes each model's own GRPO advantages. The batch carries both rollout
-batches (``batch.extras["a"]``, ``["b"]``); the exchange happens in ``GRAFTModule``.
+verifier, and computes each model's own GRPO advantages. The batch is a ``PairedBatch``
+of both rollout batches (``batch.a``, ``batch.b``); the exchange happens in ``GRAFTModule``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import replace
+from typing import Any, cast
 
-from salvage.datamodules.common import step_seed
+from salvage.core.seeds import PEER_OFFSET, TRAIN, step_seed
 from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.rollout.config import build_engine
 from salvage.tasks.math import MathTask
-from salvage.types import RolloutBatch
+from salvage.types import Learner, PairedBatch, PairedLearner, RolloutEngine
 
 NAMES = ("a", "b")
 
@@ -23,38 +24,43 @@ NAMES = ("a", "b")
 class GraftDataModule(RLVRDataModule):
     """RLVRDataModule for two policies (same arguments; see there)."""
 
-    def _engine_for(self, name: str) -> Any:
-        learner = self.trainer.lightning_module.learner(name)
-        engines = self.__dict__.setdefault("_engines", {})
-        eng = engines.get(name)
+    def _learner(self, name: str) -> Learner:
+        return cast(PairedLearner, self.trainer.lightning_module).learner(name)
+
+    def _engine_for(self, name: str) -> RolloutEngine:
+        learner = self._learner(name)
+        if learner.policy is None:
+            raise RuntimeError(f"policy {name} is not loaded (configure_model has not run)")
+        eng = self._engines.get(name)
         if eng is None or eng.model is not learner.policy:
-            eng = engines[name] = build_engine(self.engine_cfg, learner.policy, learner.tokenizer)
+            eng = self._engines[name] = build_engine(
+                self.engine_cfg, learner.policy, learner.tokenizer
+            )
         return eng
 
-    def _both(self, tasks: list[MathTask], n: int, seed: int, **kw: Any) -> RolloutBatch:
+    def _both(self, tasks: list[MathTask], n: int, seed: int, **kw: Any) -> PairedBatch:
         t0 = time.perf_counter()
         parts = {}
         for i, name in enumerate(NAMES):
-            learner = self.trainer.lightning_module.learner(name)
+            learner = self._learner(name)
             parts[name] = self.rollout(
                 tasks,
                 n,
-                seed + 7919 * i,
+                seed + PEER_OFFSET * i,
                 engine=self._engine_for(name),
                 tokenizer=learner.tokenizer,
                 **kw,
             )
-        stats = {"t_start": t0}
-        for k in ("time_generate", "time_reward", "gen_tokens", "verifier_timeouts"):
-            stats[k] = sum(p.stats.get(k, 0.0) for p in parts.values())
-        return RolloutBatch(
-            groups=[], temperature=parts["a"].temperature, stats=stats, extras=dict(parts)
+        a, b = parts["a"], parts["b"]
+        stats = replace(a.stats.plus(b.stats), t_start=t0)
+        return PairedBatch(groups=[], temperature=a.temperature, stats=stats, a=a, b=b)
+
+    def train_rollout(self, tasks: list[MathTask]) -> PairedBatch:
+        return self._both(
+            tasks, self.group_size, step_seed(self.seed, self.trainer.global_step, TRAIN)
         )
 
-    def train_rollout(self, tasks: list[MathTask]) -> RolloutBatch:
-        return self._both(tasks, self.group_size, step_seed(self.seed, self.trainer.global_step, 0))
-
-    def eval_rollout(self, tasks: list[MathTask], split: str) -> RolloutBatch:
+    def eval_rollout(self, tasks: list[MathTask], split: str) -> PairedBatch:
         return self._both(
             tasks,
             self.val_samples,

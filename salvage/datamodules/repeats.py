@@ -10,17 +10,22 @@ modules reduce per repeat (``core.evaluation.repeat_metrics``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader
 
 from salvage.core.evaluation import repeat_stream, split_repeats
-from salvage.datamodules.base import _collate, _Indices
-from salvage.datamodules.common import step_seed
-from salvage.types import RolloutBatch
+from salvage.core.seeds import step_seed
+from salvage.datamodules.base import RolloutDataModule, _collate, _Indices
+from salvage.types import Group, PairedBatch, RolloutBatch
+
+if TYPE_CHECKING:  # a mixin of RolloutDataModule subclasses (type-checked as one)
+    _Base = RolloutDataModule
+else:
+    _Base = object
 
 
-class RepeatedTest:
+class RepeatedTest(_Base):
     """Mixin for a ``RolloutDataModule`` with a ``test_repeats`` attribute."""
 
     test_repeats: int = 1
@@ -56,12 +61,11 @@ class RepeatedTest:
         return _concat(parts)
 
 
-def _groups(batch: RolloutBatch) -> list[Any]:
-    """The groups of a batch and of the per-model batches it carries (GRAFT: extras a / b)."""
+def _groups(batch: RolloutBatch) -> list[Group]:
+    """The groups of a batch and of the per-model batches it carries (GRAFT: a and b)."""
     out = list(batch.groups)
-    for v in batch.extras.values():
-        if isinstance(v, RolloutBatch):
-            out += _groups(v)
+    if isinstance(batch, PairedBatch):
+        out += _groups(batch.a) + _groups(batch.b)
     return out
 
 
@@ -70,18 +74,12 @@ def _concat(parts: list[RolloutBatch]) -> RolloutBatch:
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
-    extras = dict(first.extras)
-    for k, v in first.extras.items():
-        if isinstance(v, RolloutBatch):
-            extras[k] = _concat([p.extras[k] for p in parts])
-    stats = dict(first.stats)
+    stats = first.stats
     for p in parts[1:]:
-        for k, v in p.stats.items():
-            if k != "t_start":
-                stats[k] = stats.get(k, 0.0) + v
-    return RolloutBatch(
-        groups=[g for p in parts for g in p.groups],
-        temperature=first.temperature,
-        stats=stats,
-        extras=extras,
-    )
+        stats = stats.plus(p.stats)
+    groups = [g for p in parts for g in p.groups]
+    if isinstance(first, PairedBatch):
+        pairs = [p for p in parts if isinstance(p, PairedBatch)]
+        a, b = _concat([p.a for p in pairs]), _concat([p.b for p in pairs])
+        return PairedBatch(groups=groups, temperature=first.temperature, stats=stats, a=a, b=b)
+    return RolloutBatch(groups=groups, temperature=first.temperature, stats=stats)

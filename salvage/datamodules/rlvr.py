@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Any
 
+from salvage.core.seeds import TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
-from salvage.datamodules.common import step_seed
 from salvage.datamodules.repeats import RepeatedTest
 from salvage.errors import ConfigError, DataError
 from salvage.rollout.config import EngineConfig, generate_with_retry
@@ -19,7 +19,7 @@ from salvage.tasks.math import (
     load_math_tasks,
     source_labels,
 )
-from salvage.types import Group, RolloutBatch, Trajectory, Turn
+from salvage.types import Group, RolloutBatch, RolloutStats, Trajectory, Turn
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         return list(seen)
 
     def prompt_ids(self, task: MathTask, tokenizer: Any = None) -> list[int]:
-        tok = tokenizer if tokenizer is not None else self.trainer.lightning_module.tokenizer
+        tok = tokenizer if tokenizer is not None else self.module.tokenizer
         key = (id(tok), tuple((m["role"], m["content"]) for m in task.messages))
         ids = self._prompt_cache.get(key)
         if ids is None:
@@ -158,7 +158,7 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
 
     def train_rollout(self, tasks: list[MathTask]) -> RolloutBatch:
         return self.rollout(
-            tasks, n=self.group_size, seed=step_seed(self.seed, self.trainer.global_step, 0)
+            tasks, n=self.group_size, seed=step_seed(self.seed, self.trainer.global_step, TRAIN)
         )
 
     def eval_rollout(self, tasks: list[MathTask], split: str) -> RolloutBatch:
@@ -228,11 +228,11 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         return RolloutBatch(
             groups=groups,
             temperature=used_t if used_t > 0 else 1.0,
-            stats={
-                "t_start": t0,
-                "time_generate": t_gen - t0,
-                "time_reward": t_end - t_gen,
-                "gen_tokens": float(gen_tokens),
-                "verifier_timeouts": float(self.reward_fn.timeouts - timeouts_before),
-            },
+            stats=RolloutStats(
+                t_start=t0,
+                time_generate=t_gen - t0,
+                time_reward=t_end - t_gen,
+                gen_tokens=float(gen_tokens),
+                verifier_timeouts=float(self.reward_fn.timeouts - timeouts_before),
+            ),
         )

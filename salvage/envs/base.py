@@ -51,8 +51,9 @@ class ReplayEnv:
         raise NotImplementedError
 
     @classmethod
-    def list_tasks(cls, split: str, **kwargs: Any) -> list[dict[str, Any]]:
-        """Task dicts of a split; each has ``id`` and ``family``."""
+    def list_tasks(cls, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        """Task dicts of a split (the first argument); each has ``id`` and ``family``.
+        Each environment names its own further arguments."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -87,9 +87,9 @@ class _Host:
                 obs = env.restore(arg)
                 return EnvResult(True, (obs, env.info))
             if op == "release":
-                env = self.envs.pop(eid, None)
-                if env is not None:
-                    self.free.append(env)
+                gone = self.envs.pop(eid, None)
+                if gone is not None:
+                    self.free.append(gone)
                 return EnvResult(True)
             return EnvResult(False, error=f"unknown op {op!r}")
         except Exception as e:  # noqa: BLE001 - an env fault fails only this item
@@ -142,6 +142,19 @@ class _Worker:
             self.proc.join(timeout=5)
         finally:
             self.parent.close()
+
+
+def startup_of(results: list[EnvResult | None], indices: list[int]) -> float:
+    """Environment start-up seconds of the answered ``results`` at ``indices``."""
+    return float(sum(r.startup_s for i in indices if (r := results[i]) is not None))
+
+
+def answered(results: list[EnvResult | None]) -> list[EnvResult]:
+    """Every request's result (a worker answers each one, or its loss is recorded)."""
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise RuntimeError(f"environment requests {missing} got no result")
+    return [r for r in results if r is not None]
 
 
 class EnvPool:
@@ -272,11 +285,13 @@ class EnvPool:
     def _run(self, ops: list[tuple[str, int, Any]]) -> list[EnvResult]:
         results: list[EnvResult | None] = [None] * len(ops)
         if self._local is not None:
-            for i, (op, eid, arg) in enumerate(ops):
-                results[i] = self._local.handle(op, eid, arg)
-                self.startup_s += results[i].startup_s  # type: ignore[union-attr]
-                self._record(op, eid, arg, results[i])
-            return results  # type: ignore[return-value]
+            done: list[EnvResult] = []
+            for op, eid, arg in ops:
+                res = self._local.handle(op, eid, arg)
+                self.startup_s += res.startup_s
+                self._record(op, eid, arg, res)
+                done.append(res)
+            return done
         per_worker: dict[int, list[tuple[int, int, str, int, Any]]] = {}
         for i, (op, eid, arg) in enumerate(ops):
             self._seq += 1
@@ -286,12 +301,9 @@ class EnvPool:
         for w, items in per_worker.items():
             self._collect(w, items, results)
         # workers start their environments in parallel: the slowest worker's share is wall time
-        per_w = [
-            sum(results[i].startup_s for _, i, *_ in items if results[i] is not None)  # type: ignore[union-attr]
-            for items in per_worker.values()
-        ]
+        per_w = [startup_of(results, [i for _, i, *_ in items]) for items in per_worker.values()]
         self.startup_s += max(per_w, default=0.0)
-        return results  # type: ignore[return-value]
+        return answered(results)
 
     def _send(self, w: int, items: list[tuple[int, int, str, int, Any]]) -> bool:
         try:
@@ -336,8 +348,9 @@ class EnvPool:
             self._restart(w, exclude={eid})
             if pending and not self._send(w, pending):
                 for _, j, op2, eid2, arg2 in pending:
-                    results[j] = EnvResult(False, error=f"env worker {w}: could not be restarted")
-                    self._record(op2, eid2, arg2, results[j])
+                    lost = EnvResult(False, error=f"env worker {w}: could not be restarted")
+                    results[j] = lost
+                    self._record(op2, eid2, arg2, lost)
                 return
 
     def _restart(self, w: int, exclude: set[int]) -> None:

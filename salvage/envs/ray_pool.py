@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from salvage.envs.pool import EnvPool, EnvResult, _Host
+from salvage.envs.pool import EnvPool, EnvResult, _Host, answered, startup_of
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +107,10 @@ class RayEnvPool(EnvPool):
         for w, items in per_actor.items():
             self._gather(w, items, refs[w], results)
         self.startup_s += max(  # actors start their environments in parallel
-            (
-                sum(results[i].startup_s for i, *_ in items if results[i] is not None)  # type: ignore[union-attr]
-                for items in per_actor.values()
-            ),
+            (startup_of(results, [i for i, *_ in items]) for items in per_actor.values()),
             default=0.0,
         )
-        return results  # type: ignore[return-value]
+        return answered(results)
 
     def _submit(self, w: int, items: list[tuple[int, str, int, Any]]) -> list[Any]:
         return [self._actors[w].handle.remote(op, eid, arg) for _, op, eid, arg in items]

@@ -132,9 +132,9 @@ class TWXEnv(ReplayEnv):
                 and list(here[len(base) :]) == plan[:k]
             ):
                 return plan[k]
-        plan = self._bfs()
-        self._plan = (here, plan) if plan else None
-        return plan[0] if plan else None
+        found = self._bfs()
+        self._plan = (here, found) if found else None
+        return found[0] if found else None
 
     def _key(self, obs: str, info: dict[str, Any]) -> str:
         return f"{obs}|{','.join(info['admissible'])}|{info['score']}"

@@ -354,7 +354,8 @@ class WebShopEnv(ReplayEnv):
 
     def _clear(self) -> None:
         """The page state of a fresh episode: the search page, nothing chosen."""
-        self._page, self._keywords, self._results, self._page_no = "search", "", [], 1
+        self._page, self._keywords, self._page_no = "search", "", 1
+        self._results: list[str] = []
         self._asin: str | None = None
         self._options: dict[str, str] = {}
         self._sub = ""

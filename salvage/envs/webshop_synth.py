@@ -413,7 +413,9 @@ def generate(seed: int = 0, products: int = 200, goals: int = 50) -> dict[str, A
         raise ValueError(f"webshop_synth needs products >= {len(TYPES)} and goals <= products")
     rng = random.Random(seed)
     taken: set[str] = set()
-    items, ins_v2, reviews = [], {}, []
+    items: list[dict[str, Any]] = []
+    ins_v2: dict[str, dict[str, Any]] = {}
+    reviews: list[dict[str, Any]] = []
     for k in range(products):
         cat, query, pcat, noun, pool, groups, (lo, hi) = TYPES[k % len(TYPES)]
         asin = _asin(rng, taken)
@@ -475,11 +477,12 @@ def generate(seed: int = 0, products: int = 200, goals: int = 50) -> dict[str, A
         _, query, _, _, _, _, _ = TYPES[k % len(TYPES)]
         attrs = ins_v2[item["asin"]]["attributes"]
         want = attrs[: rng.choice((1, 2, 3))]
-        groups = list(item["customization_options"])
-        chosen = rng.sample(groups, min(len(groups), rng.choice((0, 1, 1, 2, 2))))
+        option_groups = list(item["customization_options"])
+        n_chosen = min(len(option_groups), rng.choice((0, 1, 1, 2, 2)))
+        chosen = rng.sample(option_groups, n_chosen)
         opts = [
             rng.choice(item["customization_options"][g])["value"].lower()
-            for g in sorted(chosen, key=groups.index)
+            for g in sorted(chosen, key=option_groups.index)
         ]
         text = f"{rng.choice(OPENERS)} {_article(want[0])} {' and '.join(want)} {query}"
         if opts:
@@ -493,7 +496,7 @@ def generate(seed: int = 0, products: int = 200, goals: int = 50) -> dict[str, A
                 "attributes": want,
                 "options": [
                     f"{g.lower()}: {v}"
-                    for g, v in zip(sorted(chosen, key=groups.index), opts, strict=True)
+                    for g, v in zip(sorted(chosen, key=option_groups.index), opts, strict=True)
                 ],
                 "worker_id": f"synthetic-{seed}",
                 "assignment_id": f"synthetic-{seed}-{k}",

@@ -23,30 +23,28 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 
 from salvage.core.evaluation import repeat_metrics
+from salvage.core.exchange import ExchangeRules, peer_responses, receive_group
 from salvage.core.graft import (
     BALANCE,
     ORDERS,
     Transfers,
-    capability_advantages,
-    compat_weight,
-    compatibility,
-    hacpo_clip_range,
-    mean_logprob,
     plan_minibatches,
-    pooled_advantages,
     random_admission,
     select_transfers,
     sgt_pick,
 )
-from salvage.datamodules.common import step_seed
+from salvage.core.losses import completion_loss
+from salvage.core.seeds import GRAFT_EXCHANGE, step_seed
 from salvage.distributed import (
     FSDPConfig,
     gather_objects,
@@ -55,11 +53,11 @@ from salvage.distributed import (
     run_file,
     to_device,
 )
-from salvage.lm import response_logprobs
+from salvage.lm import response_logprobs, target_scores
 from salvage.models import PolicySpec
-from salvage.modules.grpo import GRPOModule
+from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
-from salvage.types import Group, RolloutBatch, SeqTarget, Trajectory, Turn
+from salvage.types import PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
 
 
 class GRAFTModule(L.LightningModule):
@@ -182,9 +180,12 @@ class GRAFTModule(L.LightningModule):
         ):
             if val not in allowed:
                 raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
-        for key, val in (("hacpo_clip_low", hacpo_clip_low), ("hacpo_clip_high", hacpo_clip_high)):
-            if not 0 <= val < 1:
-                raise ValueError(f"model.{key}={val!r} must be in [0, 1)")
+        for key, bound in (
+            ("hacpo_clip_low", hacpo_clip_low),
+            ("hacpo_clip_high", hacpo_clip_high),
+        ):
+            if not 0 <= bound < 1:
+                raise ValueError(f"model.{key}={bound!r} must be in [0, 1)")
         if hacpo_peer_high is not None and hacpo_peer_high <= 0:
             raise ValueError(f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)")
         if restrict_to_selection and mode == "graft":
@@ -192,7 +193,7 @@ class GRAFTModule(L.LightningModule):
                 "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
             )
         self.automatic_optimization = False
-        common = dict(
+        common: dict[str, Any] = dict(
             weight_decay=weight_decay,
             num_minibatches=num_minibatches,
             micro_batch_size=micro_batch_size,
@@ -216,6 +217,11 @@ class GRAFTModule(L.LightningModule):
         self._step_log: dict[str, float] = {}
         self._records: Path | None = None
 
+    @property
+    def hparams(self) -> AttributeDict:
+        """The saved hyper-parameters (attribute access)."""
+        return cast(AttributeDict, super().hparams)
+
     def learner(self, name: str) -> GRPOModule:
         return {"a": self.a, "b": self.b}[name]
 
@@ -224,13 +230,13 @@ class GRAFTModule(L.LightningModule):
         return self.a.tokenizer
 
     @property
-    def policy(self) -> torch.nn.Module:
+    def policy(self) -> torch.nn.Module | None:
         return self.a.policy
 
     def configure_model(self) -> None:
+        mesh = self.a.mesh_of(self.device_mesh)
         for child in (self.a, self.b):  # both policies sharded on the strategy's one mesh
-            child._device_mesh = getattr(self, "_device_mesh", None)
-            child.configure_model()
+            child.build(mesh)
 
     def inference_models(self) -> list[torch.nn.Module]:
         return self.a.inference_models() + self.b.inference_models()
@@ -271,27 +277,35 @@ class GRAFTModule(L.LightningModule):
             dst,
             prompts,
             receiver,
-            dict(self.hparams) | {"step": self.global_step, "live": live},
+            self.rules,
             rng or random.Random(self.hparams.seed),
             bar,
+            step=self.global_step,
+            live=live,
         )
 
+    @property
+    def rules(self) -> ExchangeRules:
+        """The exchange settings among this module's arguments."""
+        return ExchangeRules(**{f.name: self.hparams[f.name] for f in fields(ExchangeRules)})
+
     def _order(self, batch: RolloutBatch, rng: random.Random) -> None:
-        is_peer = [bool(g.info.get("peer")) for g in batch.groups]
-        batch.extras["minibatch_groups"] = plan_minibatches(
+        is_peer = [g.peer for g in batch.groups]
+        batch.minibatch_groups = plan_minibatches(
             is_peer, self.hparams.order, self.hparams.num_minibatches, rng
         )
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def training_step(self, batch: PairedBatch, batch_idx: int) -> None:
         hp = self.hparams
-        ra, rb = batch.extras["a"], batch.extras["b"]
+        ra, rb = batch.a, batch.b
         n = max((len(g.trajectories) for g in ra.groups), default=0)
-        rng = random.Random(step_seed(hp.seed, self.global_step, 21))
+        rng = random.Random(step_seed(hp.seed, self.global_step, GRAFT_EXCHANGE))
         if hp.exchange and hp.mode == "sgt":
             return self._sgt_step(ra, rb, rng)
         k_a = [sum(g.successes) for g in ra.groups]
         k_b = [sum(g.successes) for g in rb.groups]
-        live_ab = live_ba = None
+        live_ab: list[int] | None = None
+        live_ba: list[int] | None = None
         if hp.exchange and hp.mode == "hacpo":  # every prompt, both directions
             every = list(range(len(ra.groups)))
             tr = Transfers(every, list(every), len(every), len(every))
@@ -341,7 +355,7 @@ class GRAFTModule(L.LightningModule):
         if weights:  # of the transferred responses, the fraction the gate admits (w > 0);
             # absent at updates without transfers (0 there would read as "none admitted")
             values["graft/admitted_frac"] = sum(w > 0 for w in weights) / len(weights)
-        if live_ab is not None:
+        if live_ab is not None and live_ba is not None:
             values["graft/selected_a_to_b"] = float(len(live_ab))
             values["graft/selected_b_to_a"] = float(len(live_ba))
         peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
@@ -361,11 +375,16 @@ class GRAFTModule(L.LightningModule):
         )
 
     def _update_both(
-        self, ra: RolloutBatch, rb: RolloutBatch
+        self,
+        ra: RolloutBatch,
+        rb: RolloutBatch,
+        aux: dict[str, Auxiliary] | None = None,
     ) -> tuple[dict[str, float], dict[str, float]]:
-        (opt_a, opt_b), (sch_a, sch_b) = self.optimizers(), self.lr_schedulers()
-        va = self.a.update(ra, opt_a, sch_a, self.global_step, count_step=False)
-        vb = self.b.update(rb, opt_b, sch_b, self.global_step, count_step=True)
+        opt_a, opt_b = cast(list[Any], self.optimizers())
+        sch_a, sch_b = cast(list[Any], self.lr_schedulers())
+        aux = aux or {}
+        va = self.a.update(ra, opt_a, sch_a, self.global_step, False, aux.get("a"))
+        vb = self.b.update(rb, opt_b, sch_b, self.global_step, True, aux.get("b"))
         return va, vb
 
     def _sgt_step(self, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
@@ -388,10 +407,12 @@ class GRAFTModule(L.LightningModule):
             )
             allowed = {"a_to_b": set(sel.a_to_b), "b_to_a": set(sel.b_to_a)}
         counts = {}
+        aux: dict[str, Auxiliary] = {}
         for src, dst, recv, name in ((ra, rb, self.b, "a_to_b"), (rb, ra, self.a, "b_to_a")):
             targets = []
             for q, (sg, dg) in enumerate(zip(src.groups, dst.groups, strict=True)):
-                if allowed[name] is not None and q not in allowed[name]:
+                only = allowed[name]
+                if only is not None and q not in only:
                     continue
                 pick = sgt_pick(sg.successes, sum(dg.successes), rng)
                 if pick is None:
@@ -401,9 +422,9 @@ class GRAFTModule(L.LightningModule):
                 if recv.tokenizer.eos_token_id is not None:
                     ids.append(int(recv.tokenizer.eos_token_id))
                 targets.append(SeqTarget(list(dg.trajectories[0].turns[0].prompt_ids), ids))
-            dst.extras["nll_targets"], dst.extras["nll_weight"] = targets, self.hparams.sgt_weight
+            aux[name[-1]] = sgt_auxiliary(recv, targets, hp.sgt_weight)
             counts[name] = len(targets)
-        va, vb = self._update_both(ra, rb)
+        va, vb = self._update_both(ra, rb, aux)
         values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
         values.update(
             {
@@ -414,10 +435,18 @@ class GRAFTModule(L.LightningModule):
         self._step_log.update(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
 
+    def step_values(self) -> dict[str, float]:
+        """The metrics recorded so far in the current update (sent to the loggers at its end)."""
+        return dict(self._step_log)
+
     def record(self, values: dict[str, float]) -> None:
         """Callbacks' step metrics (cost, ...) go out with the module's, once per update."""
         self._step_log.update({k: float(v) for k, v in values.items()})
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
+
+    def record_later(self, values: dict[str, float]) -> None:
+        """Buffer metrics for the loggers only (from hooks where ``self.log`` is not allowed)."""
+        self._step_log.update({k: float(v) for k, v in values.items()})
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._step_log:
@@ -438,15 +467,14 @@ class GRAFTModule(L.LightningModule):
 
     on_test_epoch_start = on_validation_epoch_start
 
-    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def validation_step(self, batch: PairedBatch, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
-    def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+    def test_step(self, batch: PairedBatch, batch_idx: int) -> None:
         self._eval_step(batch, "eval")
 
-    def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
-        for name in ("a", "b"):
-            part = batch.extras[name]
+    def _eval_step(self, batch: PairedBatch, prefix: str) -> None:
+        for name, part in batch.parts().items():
             recs = self._eval_acc[name]
             for g in part.groups:
                 recs.append(
@@ -483,39 +511,58 @@ class GRAFTModule(L.LightningModule):
         self._eval_end("eval")
 
 
+def sgt_auxiliary(learner: GRPOModule, targets: list[SeqTarget], weight: float) -> Auxiliary:
+    """SGT's term on one learner: ``weight * mean over targets of -s(y|h)`` (the NLL of one
+    correct peer response per prompt the learner did not solve), in its update's last
+    minibatch. Metric ``loss/nll``."""
+
+    def backward() -> torch.Tensor | None:
+        denom = learner.global_count(len(targets))
+        if not denom:
+            return None
+        total = 0.0
+        pad = int(learner.tokenizer.pad_token_id)
+
+        def nll(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
+            nonlocal total
+            scores = target_scores(learner.live_policy, part, pad, learner.device)
+            loss = completion_loss(scores).sum() / denom
+            total += float(loss.detach())
+            return weight * loss
+
+        if not learner.micro_steps(targets, learner.hparams.micro_batch_size, nll):
+            return torch.tensor(float("nan"))
+        learner.step_metrics.update("loss/nll", total)
+        return torch.tensor(weight * total)
+
+    return Auxiliary(present=bool(targets), backward=backward)
+
+
 def transplant(
     src: RolloutBatch,
     dst: RolloutBatch,
     prompts: list[int],
     receiver: GRPOModule,
-    opts: dict[str, Any],
+    rules: ExchangeRules,
     rng: random.Random,
     bar: Any = None,
+    *,
+    step: int = 0,
+    live: list[int] | None = None,
 ) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
-    ``opts``: delta, gate, floor, peer_filter, peer_advantage, admission, peer_loss (GRAFTModule's
-    arguments; optional: mode, peer_ratio, the hacpo_* bounds, clip_eps_low/high, ``step``
-    and ``live``, see ``GRAFTModule.receive``). Shared by GRAFTModule and the stored-mode
-    receiver (``StoredPeer``). Returns the peer responses' weights.
+    The shell of the exchange: the receiver's tokenizer re-tokenises each peer response and
+    its policy scores it (pi_old log-probs); ``core.exchange.receive_group`` does the rest.
+    ``step``: the update index (HACPO's rising peer bound); ``live``: HACPO restricted to
+    GRAFT's selection, the prompts whose peer responses keep their advantage (None: all).
+    Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
+    responses' weights.
     """
-    hp = SimpleNamespace(**opts)
-    hacpo = opts.get("mode") == "hacpo"
-    live = opts.get("live")
-    seq_peer = opts.get("peer_ratio", "token") == "sequence" and not hacpo
-    if hacpo:  # HACPO's sequence-level ranges: own responses, and peers at this step
-        own_clip = (1.0 - opts.get("hacpo_clip_low", 3e-4), 1.0 + opts.get("hacpo_clip_high", 4e-4))
-        low, high = hacpo_clip_range(
-            int(opts.get("step", 0)),
-            opts.get("hacpo_peer_low", 0.8),
-            opts.get("hacpo_peer_ramp", 0.025),
-            opts.get("hacpo_peer_high"),
-        )
-        peer_clip = (low, None if high == float("inf") else high)
-    scores: list[float] = []
     peer_trajs: list[Trajectory] = []
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
-    dst.extras.setdefault("own_groups", list(dst.groups))
+    if dst.own_groups is None:
+        dst.own_groups = list(dst.groups)
     tok = receiver.tokenizer
     # HACPO: each model's capability = its success rate on this batch (before any exchange)
     cap_src = sum(t.success for t in src.trajectories) / max(1, len(src.trajectories))
@@ -523,7 +570,7 @@ def transplant(
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
         prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
-        peers = [t for t in sg.trajectories if t.success or hp.peer_filter == "all" or hacpo]
+        peers = peer_responses(sg, rules)
         if not peers:
             continue
         resp = []
@@ -536,85 +583,37 @@ def transplant(
                 ids.append(int(tok.eos_token_id))
             resp.append(ids or [int(tok.eos_token_id)])
         old = response_logprobs(
-            receiver.policy,
+            receiver.live_policy,
             [prompt] * len(resp),
             resp,
             int(tok.pad_token_id),
             temperature=dst.temperature,
             batch_size=receiver.hparams.micro_batch_size,
         )
-        trajs = []
-        for t, ids, lp in zip(peers, resp, old, strict=True):
-            src_mean = mean_logprob(t.turns[0].logprobs)
-            s = compatibility(mean_logprob(lp), src_mean)
-            if hacpo:
-                w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
-            elif hp.admission == "random":
-                w = 0.0  # drawn below, over the whole direction (core.graft.random_admission)
-            else:
-                w = compat_weight(s, hp.delta, hp.gate, hp.floor)
-            info: dict[str, Any] = {"compat": s, "loss": "hacpo" if hacpo else hp.peer_loss}
-            if hacpo:
-                info["seq_ratio"] = (src_mean, *peer_clip)
-            elif seq_peer and hp.peer_loss == "clip":  # Table 2a: one ratio per response
-                info["seq_ratio"] = (
-                    mean_logprob(lp),
-                    1.0 - opts.get("clip_eps_low", 0.2),
-                    1.0 + opts.get("clip_eps_high", 0.28),
-                )
-            scores.append(s)
-            trajs.append(
-                Trajectory(
-                    turns=[
-                        Turn(
-                            prompt_ids=prompt,
-                            response_ids=ids,
-                            logprobs=lp,
-                            response_text=t.turns[0].response_text,
-                        )
-                    ],
-                    reward=t.reward,
-                    success=t.success,
-                    advantage=t.advantage,
-                    weight=w,
-                    source="peer",
-                    info=info,
-                )
+        turns = [
+            Turn(
+                prompt_ids=prompt,
+                response_ids=ids,
+                logprobs=lp,
+                response_text=t.turns[0].response_text,
             )
-        peer_trajs.extend(trajs)
-        if hacpo:  # receiver || peer, capability-weighted baseline
-            own = list(dg.trajectories)
-            a_own, a_peer = capability_advantages(
-                torch.tensor([t.reward for t in own]),
-                torch.tensor([t.reward for t in trajs]),
-                cap_recv,
-                cap_src,
-            )
-            for t, a in zip(own, a_own.tolist(), strict=True):
-                t.advantage = a
-                t.info = {**t.info, "seq_ratio": (mean_logprob(t.turns[0].logprobs), *own_clip)}
-            for t, a in zip(trajs, a_peer.tolist(), strict=True):
-                # restricted to GRAFT's selection: peer responses elsewhere carry no advantage
-                t.advantage = a if live is None or q in live else 0.0
-            trajs = own + trajs
-        elif hp.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
-            own = list(dg.trajectories)
-            a_own, a_peer = pooled_advantages(
-                torch.tensor([t.reward for t in own]),
-                torch.tensor([t.reward for t in trajs]),
-                eps=1e-6,
-            )
-            for t, a in zip(own, a_own.tolist(), strict=True):
-                t.advantage = a
-            for t, a in zip(trajs, a_peer.tolist(), strict=True):
-                t.advantage = a
-            trajs = own + trajs
-        dst.groups[q] = Group(
-            task_id=dg.task_id, trajectories=trajs, task=dg.task, info={"peer": True}
+            for t, ids, lp in zip(peers, resp, old, strict=True)
+        ]
+        group = receive_group(
+            dg,
+            peers,
+            turns,
+            rules,
+            step=step,
+            live=live is None or q in live,
+            capability=(cap_recv, cap_src),
         )
+        dst.groups[q] = group
+        peer_trajs.extend(t for t in group.trajectories if t.source == "peer")
         if bar is not None:
             bar.advance(1)
-    if hp.admission == "random" and not hacpo:  # as many as pass the gate, drawn at random
-        for t, w in zip(peer_trajs, random_admission(scores, hp.delta, rng), strict=True):
+    if rules.admission == "random" and not rules.hacpo:  # as many as pass the gate, at random
+        scores = [t.compat if t.compat is not None else 0.0 for t in peer_trajs]
+        for t, w in zip(peer_trajs, random_admission(scores, rules.delta, rng), strict=True):
             t.weight = w
     return [t.weight for t in peer_trajs]

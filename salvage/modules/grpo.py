@@ -16,11 +16,13 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 
 from salvage.core.evaluation import repeat_metrics
 from salvage.core.grpo import (
@@ -30,6 +32,7 @@ from salvage.core.grpo import (
     kl_k3,
 )
 from salvage.core.policy_loss import LossInputs, row_policy_loss
+from salvage.core.seeds import permutation_seed
 from salvage.distributed import (
     REFERENCE_KEY,
     FSDPConfig,
@@ -47,10 +50,10 @@ from salvage.distributed import (
     to_device,
     world,
 )
-from salvage.lm import pad_right, token_logprobs
+from salvage.lm import bump_weights_version, pad_right, token_logprobs
 from salvage.metrics import StepMetrics
 from salvage.models import PolicySpec, load_model, load_tokenizer
-from salvage.types import RolloutBatch, TokenBatch, Trajectory
+from salvage.types import RolloutBatch, SeqRatio, TokenBatch, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,24 @@ class _Row:
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class Auxiliary:
+    """An auxiliary objective that joins an update once, in its last minibatch (ours).
+
+    The module or callback that owns the objective builds it (VH-GPO's relay terms:
+    ``VHGPOModule.auxiliary``; SGT's NLL term: ``GRAFTModule``).
+    """
+
+    present: bool
+    """This rank holds data for it (the ranks decide together whether it runs)."""
+    backward: Callable[[], torch.Tensor | None]
+    """Backpropagates the objective; returns its detached total (NaN: not finite; None:
+    nothing to add). Called on every rank when any rank has data."""
 
 
 class GRPOModule(L.LightningModule):
@@ -196,6 +217,11 @@ class GRPOModule(L.LightningModule):
         self._count_step = True
         self.total_steps_hint: int | None = None
 
+    @property
+    def hparams(self) -> AttributeDict:
+        """The saved hyper-parameters (attribute access)."""
+        return cast(AttributeDict, super().hparams)
+
     def _plain_hparams(self) -> None:
         """Hyper-parameters as plain data, so checkpoints load with ``weights_only=True``."""
         self.hparams["policy"] = dataclasses.asdict(self.spec)
@@ -204,13 +230,17 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
+        self.build(self.fsdp_mesh())
+
+    def build(self, mesh: Any = None) -> None:
+        """Load the policy (and the reference when something needs one); shard both with
+        FSDP2 on ``mesh`` (None: unsharded). Idempotent."""
         if self.policy is None:
             self.policy = load_model(self.spec, self.tokenizer)
         if self.needs_reference() and not self._ref:
             ref = load_model(self.spec, self.tokenizer)
             ref.eval().requires_grad_(False)
             self._ref.append(ref)
-        mesh = self.fsdp_mesh()
         if mesh is not None:
             if not is_sharded(self.policy):
                 shard_model(self.policy, mesh, self.fsdp)
@@ -220,7 +250,11 @@ class GRPOModule(L.LightningModule):
 
     def fsdp_mesh(self) -> Any:
         """The data-parallel mesh of ``ModelParallelStrategy`` (None under other strategies)."""
-        mesh = getattr(self, "_device_mesh", None)
+        return self.mesh_of(self.device_mesh)
+
+    @staticmethod
+    def mesh_of(mesh: Any) -> Any:
+        """The data-parallel part of a strategy's device mesh (None: no mesh)."""
         if mesh is None:
             return None
         names = mesh.mesh_dim_names or ()
@@ -247,7 +281,7 @@ class GRPOModule(L.LightningModule):
     def reset_reference(self) -> None:
         """Make the reference the current policy (e.g. after an SFT warm start)."""
         if self._ref:
-            self._ref[0].load_state_dict(self.policy.state_dict())
+            self._ref[0].load_state_dict(self.live_policy.state_dict())
             self._ref_reset = True
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -268,13 +302,27 @@ class GRPOModule(L.LightningModule):
     def ref_model(self) -> torch.nn.Module | None:
         return self._ref[0] if self._ref else None
 
+    @property
+    def live_policy(self) -> torch.nn.Module:
+        """The policy, which must be loaded (``configure_model`` ran)."""
+        if self.policy is None:
+            raise RuntimeError("the policy is not loaded: configure_model() has not run")
+        return self.policy
+
+    @property
+    def reference(self) -> torch.nn.Module:
+        """The frozen reference, which must be loaded (``needs_reference()``)."""
+        if not self._ref:
+            raise RuntimeError("no reference model is loaded (kl_coef = 0 and nothing needs one)")
+        return self._ref[0]
+
     def on_fit_start(self) -> None:
         if self.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
             to_device(self.ref_model, self.device)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        params = [p for p in self.policy.parameters() if p.requires_grad]
+        params = [p for p in self.live_policy.parameters() if p.requires_grad]
         opt = _adamw(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self._lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -317,8 +365,8 @@ class GRPOModule(L.LightningModule):
                         weight=traj.weight,
                         seq=seq,
                         peer=traj.source != "self",
-                        loss=_loss_kind(traj.info),
-                        seq_ratio=_seq_ratio(traj.info.get("seq_ratio")),
+                        loss=_loss_kind(traj),
+                        seq_ratio=_seq_ratio(traj.seq_ratio),
                     )
                 )
             per_traj.append(idx)
@@ -332,16 +380,16 @@ class GRPOModule(L.LightningModule):
         ids, mask = pad_right([r.ids for r in rows], int(self.tokenizer.pad_token_id), self.device)
         shape = (len(rows), ids.shape[1] - 1)
         # fp32 whatever the default dtype (bf16-true sets bf16: +-1.3% ratio error)
-        f32 = {"device": self.device, "dtype": torch.float32}
-        resp = torch.zeros(shape, **f32)
-        old = torch.zeros(shape, **f32)
-        adv = torch.zeros(shape, **f32)
-        w = torch.zeros(shape, **f32)
+        dev, f32 = self.device, torch.float32
+        resp = torch.zeros(shape, device=dev, dtype=f32)
+        old = torch.zeros(shape, device=dev, dtype=f32)
+        adv = torch.zeros(shape, device=dev, dtype=f32)
+        w = torch.zeros(shape, device=dev, dtype=f32)
         for i, r in enumerate(rows):
             n = len(r.old_logprobs)
             sl = slice(r.start, r.start + n)
             resp[i, sl] = 1.0
-            old[i, sl] = torch.tensor(r.old_logprobs, **f32)
+            old[i, sl] = torch.tensor(r.old_logprobs, device=dev, dtype=f32)
             adv[i, sl] = r.advantage
             w[i, sl] = r.weight
         seq = torch.tensor([r.seq for r in rows], device=self.device)
@@ -363,19 +411,27 @@ class GRPOModule(L.LightningModule):
                 )
 
     def update(
-        self, batch: RolloutBatch, opt: Any, sched: Any, step: int, count_step: bool = True
+        self,
+        batch: RolloutBatch,
+        opt: Any,
+        sched: Any,
+        step: int,
+        count_step: bool = True,
+        aux: Auxiliary | None = None,
     ) -> dict[str, float]:
         """One RL update of this policy on ``batch``; returns the step's metrics.
 
         ``opt``/``sched`` are this policy's (Lightning-wrapped) optimiser and scheduler;
         ``count_step=False`` keeps Lightning's step counter untouched (a second policy in
-        the same update, GRAFT). Callable on a module that is not attached to a trainer.
+        the same update, GRAFT). ``aux``: an auxiliary objective from the caller (default:
+        this module's own, ``auxiliary``). Callable on a module not attached to a trainer.
         """
         hp = self.hparams
         self._opt, self._step, self._count_step = opt, step, count_step
         self.log_rollout(batch)
         rows, per_traj = self.rows_from_batch(batch)
-        has_aux = self.has_aux(batch)
+        aux = aux if aux is not None else self.auxiliary(batch)
+        has_aux = aux is not None and aux.present
         # data-parallel ranks decide together (each rank holds its own share of the batch)
         n_rows, n_aux = all_reduce([float(len(rows)), float(has_aux)])
         if not n_rows and not n_aux:
@@ -392,7 +448,7 @@ class GRPOModule(L.LightningModule):
         for k, mb in enumerate(minibatches):
             last = k == len(minibatches) - 1
             # auxiliary objectives (VH-GPO) join the update once, in its last minibatch (ours)
-            extra = (lambda: self.aux_backward(batch)) if last and n_aux else None
+            extra = aux.backward if last and n_aux and aux is not None else None
             ok = self._update_minibatch([rows[i] for i in mb], mb, ref_lp, batch.temperature, extra)
             tokens += sum(len(rows[i].old_logprobs) for i in mb)
             if ok:
@@ -406,42 +462,9 @@ class GRPOModule(L.LightningModule):
         self.step_metrics.update("perf/update_tokens_per_s", tokens / max(dt, 1e-9))
         return self._finish_update(opt, sched)
 
-    def has_aux(self, batch: RolloutBatch) -> bool:
-        """Whether the batch carries auxiliary training data (subclasses add their own)."""
-        return bool(batch.extras.get("nll_targets"))
-
-    def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """Backpropagate auxiliary losses; return their (detached) total, or None.
-
-        Base: ``batch.extras["nll_targets"]`` (a list of ``SeqTarget``) with weight
-        ``batch.extras["nll_weight"]``: ``weight * mean over targets of -s(y|h)`` (SGT).
-        """
-        targets = batch.extras.get("nll_targets") or []
-        denom = self.global_count(len(targets))
-        if not denom:
-            return None
-        weight = float(batch.extras.get("nll_weight", 1.0))
-        total = 0.0
-        pad = int(self.tokenizer.pad_token_id)
-        mbs = self.hparams.micro_batch_size
-        for c in range(lockstep(-(-len(targets) // mbs))):
-            part = targets[c * mbs : (c + 1) * mbs]
-            if not part:
-                if not self.keep_in_step():
-                    return torch.tensor(float("nan"))
-                continue
-            ids, mask = pad_right([t.prompt_ids + t.response_ids for t in part], pad, self.device)
-            lp = token_logprobs(self.policy, ids, mask, 1.0)
-            count = torch.zeros_like(lp)
-            for i, t in enumerate(part):
-                count[i, len(t.prompt_ids) - 1 : len(t.prompt_ids) - 1 + len(t.response_ids)] = 1.0
-            loss = -(lp * count).sum(-1).div(count.sum(-1).clamp(min=1)).sum() / denom
-            if not self.finite(loss):
-                return torch.tensor(float("nan"))
-            self.backward_loss(weight * loss)
-            total += float(loss.detach())
-        self.step_metrics.update("loss/nll", total)
-        return torch.tensor(weight * total)
+    def auxiliary(self, batch: RolloutBatch) -> Auxiliary | None:
+        """This module's auxiliary objective on ``batch`` (None: it has none; subclasses add)."""
+        return None
 
     # ------------------------------------------------------------------ data parallel
     def global_count(self, n: float) -> float:
@@ -455,6 +478,29 @@ class GRPOModule(L.LightningModule):
         """Whether the loss is finite on every rank (all ranks skip together)."""
         return all_true(bool(torch.isfinite(loss).all()))
 
+    def micro_steps(
+        self, items: Sequence[T], size: int, loss_fn: Callable[[int, Sequence[T]], torch.Tensor]
+    ) -> bool:
+        """Backward ``loss_fn(start, part)`` on each micro-batch of ``size`` items, in lock
+        step with the other ranks (a rank with fewer micro-batches runs ``keep_in_step``).
+
+        Every micro-batch loop of an update (policy loss, VH-GPO's and SGT's auxiliary
+        terms) goes through here. False: some rank's loss was not finite; every rank stopped
+        and nothing more was backpropagated.
+        """
+        for c in range(lockstep(-(-len(items) // size))):
+            start = c * size
+            part = items[start : start + size]
+            if not part:  # this rank has fewer micro-batches than another: keep in step
+                if not self.keep_in_step():
+                    return False
+                continue
+            loss = loss_fn(start, part)
+            if not self.finite(loss):
+                return False
+            self.backward_loss(loss)
+        return True
+
     def keep_in_step(self) -> bool:
         """A zero-weight micro-batch for a rank that has run out of real ones: the same
         forward, finiteness vote and backward as the others, so every rank issues the same
@@ -462,7 +508,7 @@ class GRPOModule(L.LightningModule):
         False when some rank's loss was not finite (every rank stops its loop)."""
         pad = int(self.tokenizer.pad_token_id)
         ids = torch.full((1, 2), pad, dtype=torch.long, device=self.device)
-        loss = token_logprobs(self.policy, ids, torch.ones_like(ids), 1.0).sum() * 0.0
+        loss = token_logprobs(self.live_policy, ids, torch.ones_like(ids), 1.0).sum() * 0.0
         if not self.finite(loss):
             return False
         self.backward_loss(loss)
@@ -471,8 +517,8 @@ class GRPOModule(L.LightningModule):
     def _minibatches(
         self, per_traj: list[list[int]], batch: RolloutBatch | None = None
     ) -> list[list[int]]:
-        fixed = batch.extras.get("minibatch_groups") if batch is not None else None
-        if fixed is not None:
+        fixed = batch.minibatch_groups if batch is not None else None
+        if batch is not None and fixed is not None:
             # the caller fixed the minibatches by groups (GRAFT's peer-last order)
             first, spans = 0, []
             for g in batch.groups:
@@ -481,8 +527,8 @@ class GRPOModule(L.LightningModule):
             return [[r for gi in mb for t in spans[gi] for r in per_traj[t]] for mb in fixed]
         order = list(range(len(per_traj)))
         if self.hparams.shuffle_minibatches:
-            g = torch.Generator().manual_seed(self.hparams.seed * 1_000_003 + self._step)
-            order = torch.randperm(len(per_traj), generator=g).tolist()
+            gen = torch.Generator().manual_seed(permutation_seed(self.hparams.seed, self._step))
+            order = torch.randperm(len(per_traj), generator=gen).tolist()
         order = [t for t in order if per_traj[t]]
         k = min(self.hparams.num_minibatches, len(order))
         chunks = [order[i * len(order) // k : (i + 1) * len(order) // k] for i in range(k)]
@@ -496,7 +542,7 @@ class GRPOModule(L.LightningModule):
             part = rows[s : s + mbs]
             tb = self.collate(part)
             lp = token_logprobs(
-                self.ref_model,
+                self.reference,
                 tb.input_ids,
                 tb.attention_mask,
                 temperature,
@@ -518,8 +564,10 @@ class GRPOModule(L.LightningModule):
         # normalisation weights over the whole minibatch, then split into micro-batches
         lengths = torch.tensor([len(r.old_logprobs) for r in rows], dtype=torch.float32)
         seq = torch.tensor([r.seq for r in rows], dtype=torch.long)
-        agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg) if rows else None
-        per_row_w = [agg[i, : int(lengths[i])] for i in range(len(rows))]
+        per_row_w = []
+        if rows:
+            agg = aggregation_weights(_ragged_mask(lengths), seq, hp.loss_agg)
+            per_row_w = [agg[i, : int(lengths[i])] for i in range(len(rows))]
         # Several ranks: normalise by the global count (token-mean over all ranks' tokens)
         _, n_world = world()
         scale = 1.0
@@ -536,20 +584,12 @@ class GRPOModule(L.LightningModule):
             "peer_clip": 0.0,
             "peer_w": 0.0,
         }
-        mbs = hp.micro_batch_size
-        finite = True
-        for c in range(lockstep(-(-len(rows) // mbs))):
-            s = c * mbs
-            part = rows[s : s + mbs]
-            if not part:  # this rank has fewer micro-batches than another: keep in step
-                if not self.keep_in_step():
-                    finite = False
-                    break
-                continue
-            tb = self.collate(part)
+
+        def micro(s: int, part: Sequence[_Row]) -> torch.Tensor:
+            tb = self.collate(list(part))
             # the LM head runs from the first response position of the micro-batch on
             lp = token_logprobs(
-                self.policy,
+                self.live_policy,
                 tb.input_ids,
                 tb.attention_mask,
                 temperature,
@@ -585,10 +625,7 @@ class GRPOModule(L.LightningModule):
                 kl = (aw * kl_k3(lp, ref)).sum()
                 loss = loss + hp.kl_coef * kl
                 stats["kl"] += float(kl.detach())
-            if not self.finite(loss):
-                finite = False
-                break
-            self.backward_loss(loss * scale if n_world > 1 else loss)
+            # (a non-finite loss stops the loop and drops these numbers with the minibatch)
             stats["policy"] += float(pol.detach())
             stats["clip"] += float((aw * clipped).sum().detach())
             if any(r.peer for r in part):
@@ -596,6 +633,9 @@ class GRPOModule(L.LightningModule):
                 stats["peer_clip"] += float((pm * clipped).sum().detach())
                 stats["peer_w"] += float(pm.sum().detach())
             stats["ratio"] += float((aw * ratio).sum().detach())
+            return loss * scale if n_world > 1 else loss
+
+        finite = self.micro_steps(rows, hp.micro_batch_size, micro)
         if finite and extra is not None:
             aux = extra()
             finite = aux is None or bool(torch.isfinite(aux))
@@ -643,7 +683,7 @@ class GRPOModule(L.LightningModule):
             loss.backward()
 
     def _clip_and_norm(self) -> float:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
+        params = [p for p in self.live_policy.parameters() if p.grad is not None]
         if not params:
             return 0.0
         max_norm = self.hparams.max_grad_norm or float("inf")
@@ -660,15 +700,17 @@ class GRPOModule(L.LightningModule):
     def _finish_update(self, opt: Any, sched: Any) -> dict[str, float]:
         if sched is not None:
             sched.step()
-        if (
-            self.policy is not None
-        ):  # engines holding a copy of the weights (vLLM) re-sync on a new version
-            self.policy._salvage_version = getattr(self.policy, "_salvage_version", 0) + 1
+        if self.policy is not None:  # engines holding a copy (vLLM) re-sync on a new version
+            bump_weights_version(self.policy)
         values = self.step_metrics.compute()
         values["train/lr"] = float(opt.param_groups[0]["lr"])
         return values
 
     # ------------------------------------------------------------------ step logging
+    def step_values(self) -> dict[str, float]:
+        """The metrics recorded so far in the current update (sent to the loggers at its end)."""
+        return dict(self._step_log)
+
     def record(self, values: dict[str, float]) -> None:
         """Log metrics of the current update (module and callbacks alike).
 
@@ -692,8 +734,7 @@ class GRPOModule(L.LightningModule):
 
     def log_rollout(self, batch: RolloutBatch) -> None:
         """``rollout/*``: this policy's own rollouts (before any exchange replaced groups)."""
-        own = batch.extras.get("own_groups")
-        groups = batch.groups if own is None else own
+        groups = batch.groups if batch.own_groups is None else batch.own_groups
         trajs = [t for g in groups for t in g.trajectories]
         m = self.step_metrics
         for t in trajs:
@@ -706,11 +747,11 @@ class GRPOModule(L.LightningModule):
         for g in groups:
             m.update("rollout/zero_signal_frac", float(g.zero_signal))
         st = batch.stats
-        if st.get("time_generate", 0) > 0:
-            m.update("perf/rollout_tokens_per_s", st.get("gen_tokens", 0.0) / st["time_generate"])
-        m.update("rollout/verifier_timeouts", st.get("verifier_timeouts", 0.0))
-        if "env_errors" in st:
-            m.update("env/errors", st["env_errors"])
+        if st.time_generate is not None and st.time_generate > 0:
+            m.update("perf/rollout_tokens_per_s", st.gen_tokens / st.time_generate)
+        m.update("rollout/verifier_timeouts", st.verifier_timeouts)
+        if st.env_errors is not None:
+            m.update("env/errors", st.env_errors)
 
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
@@ -797,22 +838,20 @@ def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optim
     return torch.optim.AdamW(params, **kwargs)
 
 
-def _loss_kind(info: dict[str, Any]) -> str:
+def _loss_kind(traj: Trajectory) -> str:
     """A trajectory's registered policy loss: ``sequence`` for a row with a sequence-level
-    ratio (``info["seq_ratio"]``: HACPO rows, Table 2a's peer rows), else ``info["loss"]``
-    (``clip`` or ``luffy``; ``hacpo`` only labels HACPO's rows), else ``clip``."""
-    if info.get("seq_ratio") is not None:
+    ratio (HACPO rows, Table 2a's peer rows), else ``traj.loss`` (``clip`` or ``luffy``;
+    ``hacpo`` only labels HACPO's rows)."""
+    if traj.seq_ratio is not None:
         return "sequence"
-    kind = str(info.get("loss") or "clip")
-    return "clip" if kind == "hacpo" else kind
+    return "clip" if traj.loss == "hacpo" else traj.loss
 
 
-def _seq_ratio(value: Any) -> tuple[float, float, float] | None:
-    """A trajectory's ``info["seq_ratio"]`` = (reference mean log-prob, low, high or None)."""
+def _seq_ratio(value: SeqRatio | None) -> tuple[float, float, float] | None:
+    """A sequence ratio as (reference mean log-prob, low, high; no upper bound: inf)."""
     if value is None:
         return None
-    ref, low, high = value
-    return float(ref), float(low), math.inf if high is None else float(high)
+    return value.ref, value.low, math.inf if value.high is None else value.high
 
 
 def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@
 The GRPO terms come from groups with reward contrast (the rescued zero-signal groups
 keep advantage 0, so a failed trajectory is never a GRPO positive); the auxiliary terms
 come from the relays a rescue callback attached to the batch
-(``batch.extras["relays"]``, see ``salvage.callbacks.relay``). Each auxiliary term is
+(``batch.relays``, see ``salvage.callbacks.relay``). Each auxiliary term is
 normalised on its own (mean over its items); a term with no items is omitted.
 Scores use temperature 1. The pair's reference is the frozen initial student.
 Ours: the auxiliary gradient joins the update once, in its last minibatch.
@@ -16,15 +16,16 @@ sequence-mean-token-mean aggregation are this module's defaults; the DAPO-style 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from salvage.core.losses import completion_loss, pair_loss, seq_mean_logprob
-from salvage.distributed import gathered, lockstep
-from salvage.lm import pad_right, token_logprobs
-from salvage.modules.grpo import TRAIN_METRICS, GRPOModule
-from salvage.types import RelayData, RolloutBatch, SeqTarget
+from salvage.core.losses import completion_loss, pair_loss
+from salvage.distributed import gathered
+from salvage.lm import target_scores
+from salvage.modules.grpo import TRAIN_METRICS, Auxiliary, GRPOModule
+from salvage.types import RolloutBatch, SeqTarget
 
 AUX_METRICS = (
     "loss/pair",
@@ -85,32 +86,23 @@ class VHGPOModule(GRPOModule):
     def needs_reference(self) -> bool:
         return super().needs_reference() or self.hparams.lambda_pair > 0
 
-    def has_aux(self, batch: RolloutBatch) -> bool:
-        return bool(batch.extras.get("relays"))
+    def auxiliary(self, batch: RolloutBatch) -> Auxiliary:
+        """The pair / bridge / resume terms on the batch's relays."""
+        return Auxiliary(present=bool(batch.relays), backward=lambda: self.aux_backward(batch))
 
     # ------------------------------------------------------------------ scores
-    def _scores(self, model: torch.nn.Module, items: list[SeqTarget]) -> torch.Tensor:
+    def scores(self, model: torch.nn.Module, items: Sequence[SeqTarget]) -> torch.Tensor:
         """s(y|h) per item: mean log-prob of the counted response tokens (temperature 1)."""
-        ids, mask = pad_right(
-            [t.prompt_ids + t.response_ids for t in items],
-            int(self.tokenizer.pad_token_id),
-            self.device,
-        )
-        lp = token_logprobs(model, ids, mask, 1.0)
-        count = torch.zeros_like(lp)
-        for i, t in enumerate(items):
-            m = t.mask if t.mask is not None else [1] * len(t.response_ids)
-            a = len(t.prompt_ids) - 1
-            count[i, a : a + len(m)] = torch.tensor(m, dtype=lp.dtype, device=lp.device)
-        return seq_mean_logprob(lp, count)
+        return target_scores(model, items, int(self.tokenizer.pad_token_id), self.device)
 
     def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """Backpropagate the auxiliary terms of ``batch.relays``; their detached total."""
         with gathered(self.ref_model):  # reference scores are local forwards under FSDP
             return self._aux_backward(batch)
 
     def _aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
         hp = self.hparams
-        relays: list[RelayData] = batch.extras.get("relays", [])
+        relays = batch.relays
         bridge = [t for r in relays for t in r.bridge]
         resume = [t for r in relays for t in r.resume]
         pairs = [r.pair for r in relays if r.pair is not None]
@@ -126,42 +118,45 @@ class VHGPOModule(GRPOModule):
             denom = self.global_count(len(items))  # len(items) on one process
             if lam <= 0 or not denom:
                 continue  # no data (or ablated): the term is omitted
-            value = 0.0
-            for c in range(lockstep(-(-len(items) // mbs))):
-                part = items[c * mbs : (c + 1) * mbs]
-                if not part:  # keep in step with ranks holding more items
-                    if not self.keep_in_step():
-                        return nan
-                    continue
-                loss = completion_loss(self._scores(self.policy, part)).sum() / denom
-                if not self.finite(loss):
-                    return nan
-                self.backward_loss(lam * loss)
-                value += float(loss.detach())
+            value = self._completion_term(items, lam, denom)
+            if value is None:
+                return nan
             m.update(f"loss/{name}", value)
             total = total + lam * value
         m.update("relay/pairs", float(len(pairs)))
         denom = self.global_count(len(pairs))
         if hp.lambda_pair > 0 and denom:
-            value = 0.0
-            step = max(1, mbs // 2)
-            for c in range(lockstep(-(-len(pairs) // step))):
-                part = pairs[c * step : (c + 1) * step]
-                if not part:
-                    if not self.keep_in_step():
-                        return nan
-                    continue
+            pair_value = 0.0
+
+            def preference(_: int, part: Sequence[tuple[SeqTarget, SeqTarget]]) -> torch.Tensor:
+                nonlocal pair_value
                 flat = [p[0] for p in part] + [p[1] for p in part]
                 with torch.no_grad():
-                    ref = self._scores(self.ref_model, flat)
-                cur = self._scores(self.policy, flat)
+                    ref = self.scores(self.reference, flat)
+                cur = self.scores(self.live_policy, flat)
                 k = len(part)
                 loss = pair_loss(cur[:k], cur[k:], ref[:k], ref[k:], hp.beta).sum() / denom
-                if not self.finite(loss):
-                    return nan
-                self.backward_loss(hp.lambda_pair * loss)
-                value += float(loss.detach())
-            m.update("loss/pair", value)
-            total = total + hp.lambda_pair * value
+                pair_value += float(loss.detach())
+                return hp.lambda_pair * loss
+
+            if not self.micro_steps(pairs, max(1, mbs // 2), preference):
+                return nan
+            m.update("loss/pair", pair_value)
+            total = total + hp.lambda_pair * pair_value
         m.update("loss/aux", float(total))
         return total
+
+    def _completion_term(self, items: list[SeqTarget], lam: float, denom: float) -> float | None:
+        """Backward ``lam * mean over items of -s(y|h)`` (bridge, resume); its value, or None
+        when some rank's loss was not finite."""
+        value = 0.0
+
+        def completion(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
+            nonlocal value
+            loss = completion_loss(self.scores(self.live_policy, part)).sum() / denom
+            value += float(loss.detach())
+            return lam * loss
+
+        if not self.micro_steps(items, self.hparams.micro_batch_size, completion):
+            return None
+        return value

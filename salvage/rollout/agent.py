@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from salvage.core.agent import (
     AgentFormat,
@@ -26,28 +26,13 @@ from salvage.envs.base import digest
 from salvage.envs.pool import EnvPool
 from salvage.progress import stage
 from salvage.rollout.config import generate_with_retry
-from salvage.types import Trajectory, Turn
-
-
-@dataclass
-class Response:
-    text: str
-    prompt_ids: list[int] = field(default_factory=list)
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = "stop"
-
-
-class TurnPolicy(Protocol):
-    """Answers a batch of agent prompts (text) given each state's env info."""
-
-    def respond(
-        self, prompts: Sequence[str], infos: Sequence[dict[str, Any]], seed: int
-    ) -> list[Response]: ...
+from salvage.types import Policy, Response, Trajectory, Turn
 
 
 class LMPolicy:
     """An LM behind a rollout engine; prompts go through the tokenizer's chat template."""
+
+    needs_oracle = False
 
     def __init__(
         self, engine: Any, tokenizer: Any, fmt: AgentFormat, max_prompt_tokens: int = 2048
@@ -173,7 +158,7 @@ class AgentRunner:
         self.time_env = 0.0
 
     def run(
-        self, starts: Sequence[Start], policy: TurnPolicy, seed: int, train: bool = True
+        self, starts: Sequence[Start], policy: Policy, seed: int, train: bool = True
     ) -> list[Episode]:
         eps = [Episode(next(self._eids), s, env=self.pool.env_name) for s in starts]
         with stage(f"{self.pool.env_name} episodes", total=len(eps), unit="episode") as bar:
@@ -181,9 +166,7 @@ class AgentRunner:
         self.pool.release([e.eid for e in eps])
         return eps
 
-    def _loop(
-        self, eps: list[Episode], policy: TurnPolicy, seed: int, train: bool, bar: Any
-    ) -> None:
+    def _loop(self, eps: list[Episode], policy: Policy, seed: int, train: bool, bar: Any) -> None:
         self._begin(eps)
         bar.advance(sum(e.done for e in eps))
         turn = 0
@@ -193,7 +176,7 @@ class AgentRunner:
                 break
             prompts = [self._prompt(e) for e in live]
             t0 = time.perf_counter()
-            if getattr(policy, "needs_oracle", False):
+            if policy.needs_oracle:
                 for e, res in zip(live, self.pool.oracle([e.eid for e in live]), strict=True):
                     e.info = {**e.info, "oracle_action": res.value if res.ok else None}
             resp = policy.respond(prompts, [e.info for e in live], seed=_mix(seed, turn))
@@ -268,16 +251,16 @@ class AgentRunner:
 
     def _begin(self, eps: list[Episode]) -> None:
         fresh = [e for e in eps if e.start.state is None]
-        restored = [e for e in eps if e.start.state is not None]
+        restored = [(e, e.start.state) for e in eps if e.start.state is not None]
         for e, res in zip(
             fresh,
             self.pool.reset([(e.eid, e.start.task, e.start.seed) for e in fresh]),
             strict=True,
         ):
             self._opened(e, res, depth=0)
-        results = self.pool.restore([(e.eid, e.start.state) for e in restored])
-        for e, res in zip(restored, results, strict=True):
-            self._opened(e, res, depth=len(e.start.state["actions"]))
+        results = self.pool.restore([(e.eid, state) for e, state in restored])
+        for (e, state), res in zip(restored, results, strict=True):
+            self._opened(e, res, depth=len(state["actions"]))
             e.history = list(e.start.history)
 
     def _opened(self, e: Episode, res: Any, depth: int) -> None:
@@ -312,8 +295,8 @@ class AgentRunner:
                 "error": e.error,
                 "n_invalid": e.n_invalid,
                 "depth": e.depth,
-                "episode": e,
             },
+            episode=e,
         )
 
 

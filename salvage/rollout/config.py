@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from salvage.types import RolloutEngine
+
 BACKENDS = ("hf", "vllm")
 
 
@@ -79,18 +81,21 @@ ENGINE_CLASSES = {
 
 def build_engine(
     cfg: EngineConfig, model: torch.nn.Module, tokenizer: Any, frozen: bool = False
-) -> Any:
+) -> RolloutEngine:
     """The engine ``cfg.backend`` names, sampling from ``model`` (``frozen``: a teacher, never re-synced)."""
     if cfg.backend not in ENGINE_CLASSES:
         raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
     import importlib
 
     mod, name = ENGINE_CLASSES[cfg.backend].split(":")
-    return getattr(importlib.import_module(mod), name).from_config(cfg, model, tokenizer, frozen)
+    engine: RolloutEngine = getattr(importlib.import_module(mod), name).from_config(
+        cfg, model, tokenizer, frozen
+    )
+    return engine
 
 
 def call_settings(
-    engine: Any,
+    engine: RolloutEngine,
     seed: int | None,
     temperature: float | None,
     top_p: float | None,
@@ -100,8 +105,8 @@ def call_settings(
     """One ``generate`` call's settings: the call's overrides, else the engine's own; an unseeded
     call takes the engine's call counter as its seed (and every call advances it)."""
     if seed is None:
-        seed = engine._calls
-    engine._calls += 1
+        seed = engine.calls
+    engine.calls += 1
     return (
         seed,
         engine.temperature if temperature is None else temperature,
@@ -115,7 +120,7 @@ class RolloutEngineError(RuntimeError):
     """The rollout engine failed twice on the same request; the step cannot go on."""
 
 
-def generate_with_retry(engine: Any, *args: Any, **kwargs: Any) -> Any:
+def generate_with_retry(engine: RolloutEngine, *args: Any, **kwargs: Any) -> Any:
     """``engine.generate`` retried once on an error; a second error fails with both causes."""
     import logging
 

@@ -71,8 +71,14 @@ class HFEngine:
         self.stop = tuple(stop)
         self.batch_size = batch_size
         self.logprob_batch_size = logprob_batch_size
-        self._calls = 0
+        self.calls = 0
         self.last_timings: dict[str, float] = {}
+
+    def prepare(self) -> None:
+        """Nothing to do: it samples the live module itself."""
+
+    def release(self) -> None:
+        """Nothing to do: it holds no memory of its own."""
 
     @property
     def pad_id(self) -> int:
@@ -132,7 +138,8 @@ class HFEngine:
                     kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(cseed)
-                    out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+                    lm: Any = self.model  # a transformers causal LM (``generate``)
+                    out = lm.generate(input_ids=ids, attention_mask=mask, **kwargs)
                 new = out[:, ids.shape[1] :].tolist()
                 for prompt, gen in zip(part, new, strict=True):
                     samples.append(self._finish(prompt, gen, stop, max_new, cseed))

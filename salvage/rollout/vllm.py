@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from salvage.lm import response_logprobs
+from salvage.lm import response_logprobs, weights_version
 from salvage.rollout.config import EngineConfig, call_settings
 from salvage.rollout.vllm_rules import (
     REGISTRY,
@@ -157,11 +157,6 @@ def iter_full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         yield name, b.detach()
 
 
-def model_version(model: torch.nn.Module) -> int:
-    """The policy's update counter (GRPOModule bumps ``_salvage_version`` after each update)."""
-    return int(getattr(model, "_salvage_version", 0))
-
-
 def _source(model: torch.nn.Module, tokenizer: Any) -> str:
     """A path or hub id vLLM can build the architecture from (built-ins are saved once)."""
     name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
@@ -202,14 +197,14 @@ class _Backend:
             self.sync.slept(self.sleep_level)
 
     def needs_sync(self) -> bool:
-        return self.sync.needs_sync(model_version(self.model))
+        return self.sync.needs_sync(weights_version(self.model))
 
     def load_weights(self) -> None:
         """Stream the live model's parameters into the worker's model (``LLM.apply_model``)."""
         t0 = time.perf_counter()
         stream = iter_full_parameters(self.model)
 
-        def load(vllm_model: torch.nn.Module) -> int:  # runs on the in-process worker
+        def load(vllm_model: Any) -> int:  # runs on the in-process worker (vLLM's model class)
             loaded = vllm_model.load_weights(weights=stream)
             return -1 if loaded is None else len(loaded)
 
@@ -218,7 +213,7 @@ class _Backend:
         if counts and counts[0] == 0:
             raise RuntimeError("VLLMEngine: the weight sync loaded no parameter into vLLM")
         self.llm.reset_prefix_cache()
-        self.sync.synced(model_version(self.model))
+        self.sync.synced(weights_version(self.model))
         self.last_sync_s = time.perf_counter() - t0
 
 
@@ -342,10 +337,10 @@ class VLLMEngine:
         self.frozen = frozen
         if frozen and sleep_level == 2:
             sleep_level = 1  # a frozen model has nothing to reload its weights from
-        self._calls = 0
+        self.calls = 0
         self.last_timings: dict[str, float] = {}
-        key = (gpu_memory_utilization, sleep_level, recompute_logprobs, max_model_len, dtype)
-        key += (enforce_eager, frozen)
+        key: tuple[Any, ...] = (gpu_memory_utilization, sleep_level, recompute_logprobs)
+        key += (max_model_len, dtype, enforce_eager, frozen)
         found = REGISTRY.find(model, key)
         self.backend: _Backend = found or _build_backend(
             model,

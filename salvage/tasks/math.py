@@ -291,10 +291,10 @@ def _row_to_task(row: Any, i: int, stem: str, data: MathData) -> MathTask:
         problem = row.get(data.problem_key) or row.get("question")
         if not isinstance(problem, str) or not problem.strip():
             raise ValueError(f"missing {data.problem_key!r}")
-        answer = row.get(data.answer_key)
-        if answer is None and isinstance(row.get("solution"), str):
-            answer = last_boxed(row["solution"])  # Minerva layout
-        answer = _answer_text(answer)
+        found = row.get(data.answer_key)
+        if found is None and isinstance(row.get("solution"), str):
+            found = last_boxed(row["solution"])  # Minerva layout
+        answer = _answer_text(found)
         messages = [{"role": "user", "content": _with_suffix(problem, data.add_suffix)}]
         meta = {k: row[k] for k in ("level", "subject", "type") if k in row}
     if not answer:
@@ -332,12 +332,12 @@ def _jsonl_rows(path: Path) -> tuple[list[str], list[Any]]:
         ) from None
     where: list[str] = []
     rows: list[Any] = []
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
+    for n, record in enumerate(text.split("\n"), 1):
+        if not record.strip():
             continue
         where.append(f"line {n}")
         try:
-            rows.append(json.loads(line))
+            rows.append(json.loads(record))
         except json.JSONDecodeError as e:
             rows.append(f"invalid JSON ({e.msg})")  # counted as malformed
     return where, rows

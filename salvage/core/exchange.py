@@ -1,0 +1,147 @@
+"""The receiver's side of a GRAFT exchange (SPEC §3.2), pure.
+
+Given the receiver's own group on a prompt and the peer's responses already re-tokenised
+by the receiver and scored under its pi_old (the shell does that: it needs the tokenizer
+and the model), ``receive_group`` builds the group the receiver trains on: each peer
+response's compatibility score and weight, its policy loss, and the advantages (the
+source's, pooled, or HACPO's capability-weighted ones). Shared by ``GRAFTModule`` and the
+stored-mode receiver ``StoredPeer`` (through ``salvage.modules.graft.transplant``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from salvage.core.graft import (
+    capability_advantages,
+    compat_weight,
+    compatibility,
+    hacpo_clip_range,
+    mean_logprob,
+    pooled_advantages,
+)
+from salvage.types import Group, SeqRatio, Trajectory, Turn
+
+POOLED_EPS = 1e-6
+"""The epsilon of the pooled advantages' std normalisation (``peer_advantage="pooled"``)."""
+
+
+@dataclass(frozen=True)
+class ExchangeRules:
+    """How a receiver takes in a peer group (``GRAFTModule``'s arguments of the same names)."""
+
+    delta: float = 0.8
+    gate: bool = True
+    floor: bool = True
+    peer_filter: str = "all"
+    peer_advantage: str = "source"
+    admission: str = "compat"
+    peer_loss: str = "clip"
+    peer_ratio: str = "token"
+    mode: str = "graft"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    hacpo_clip_low: float = 3e-4
+    hacpo_clip_high: float = 4e-4
+    hacpo_peer_low: float = 0.8
+    hacpo_peer_ramp: float = 0.025
+    hacpo_peer_high: float | None = None
+
+    @property
+    def hacpo(self) -> bool:
+        return self.mode == "hacpo"
+
+
+def peer_responses(source: Group, rules: ExchangeRules) -> list[Trajectory]:
+    """The source's responses that travel: all of them, or its successes only
+    (``peer_filter="success"``; HACPO always takes the whole group)."""
+    keep_all = rules.peer_filter == "all" or rules.hacpo
+    return [t for t in source.trajectories if t.success or keep_all]
+
+
+def receive_group(
+    own: Group,
+    peers: Sequence[Trajectory],
+    turns: Sequence[Turn],
+    rules: ExchangeRules,
+    *,
+    step: int = 0,
+    live: bool = True,
+    capability: tuple[float, float] = (0.0, 0.0),
+) -> Group:
+    """The receiver's group on one prompt after the exchange (SPEC §3.2).
+
+    ``turns[i]``: peer response i in the receiver's tokens, with the receiver's pi_old
+    log-probs. Each peer trajectory gets ``compat = exp(lbar_receiver - lbar_source)``
+    and the weight ``compat_weight`` (HACPO: 1; random admission: 0 until the caller draws
+    the admitted ones). ``live`` (HACPO restricted to GRAFT's selection): False zeroes the
+    peer responses' advantages. ``capability``: (receiver, source) success rates on the
+    batch, HACPO's baseline weights. Own trajectories joining the group (pooled, HACPO) are
+    updated in place (advantage, HACPO's sequence ratio).
+    """
+    hacpo = rules.hacpo
+    peer_ratio = None
+    if hacpo:  # HACPO's sequence-level range of peer responses at this step
+        low, high = hacpo_clip_range(
+            step, rules.hacpo_peer_low, rules.hacpo_peer_ramp, rules.hacpo_peer_high
+        )
+        peer_ratio = (low, None if high == float("inf") else high)
+    trajs = []
+    for t, turn in zip(peers, turns, strict=True):
+        src_mean = mean_logprob(t.turns[0].logprobs)
+        s = compatibility(mean_logprob(turn.logprobs), src_mean)
+        if hacpo:
+            w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
+        elif rules.admission == "random":
+            w = 0.0  # drawn over the whole direction (core.graft.random_admission)
+        else:
+            w = compat_weight(s, rules.delta, rules.gate, rules.floor)
+        seq_ratio = None
+        if peer_ratio is not None:
+            seq_ratio = SeqRatio(src_mean, *peer_ratio)
+        elif rules.peer_ratio == "sequence" and rules.peer_loss == "clip":  # Table 2a
+            seq_ratio = SeqRatio(
+                mean_logprob(turn.logprobs), 1.0 - rules.clip_eps_low, 1.0 + rules.clip_eps_high
+            )
+        trajs.append(
+            Trajectory(
+                turns=[turn],
+                reward=t.reward,
+                success=t.success,
+                advantage=t.advantage,
+                weight=w,
+                source="peer",
+                loss="hacpo" if hacpo else rules.peer_loss,
+                seq_ratio=seq_ratio,
+                compat=s,
+            )
+        )
+    own_t = list(own.trajectories)
+    if hacpo:  # receiver || peer, capability-weighted baseline
+        a_own, a_peer = capability_advantages(
+            torch.tensor([t.reward for t in own_t]),
+            torch.tensor([t.reward for t in trajs]),
+            *capability,
+        )
+        own_clip = (1.0 - rules.hacpo_clip_low, 1.0 + rules.hacpo_clip_high)
+        for t, a in zip(own_t, a_own.tolist(), strict=True):
+            t.advantage = a
+            t.seq_ratio = SeqRatio(mean_logprob(t.turns[0].logprobs), *own_clip)
+        for t, a in zip(trajs, a_peer.tolist(), strict=True):
+            t.advantage = a if live else 0.0  # outside GRAFT's selection: no advantage
+        trajs = own_t + trajs
+    elif rules.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
+        a_own, a_peer = pooled_advantages(
+            torch.tensor([t.reward for t in own_t]),
+            torch.tensor([t.reward for t in trajs]),
+            eps=POOLED_EPS,
+        )
+        for t, a in zip(own_t, a_own.tolist(), strict=True):
+            t.advantage = a
+        for t, a in zip(trajs, a_peer.tolist(), strict=True):
+            t.advantage = a
+        trajs = own_t + trajs
+    return Group(task_id=own.task_id, trajectories=trajs, task=own.task, peer=True)
