@@ -452,14 +452,13 @@ def cmd_config(args) -> None:
 
     class Data(FixedData):
         def on_after_batch_transfer(self, batch, dataloader_idx):
-            from salvage.types import Group, RolloutBatch
+            from salvage.types import Group, PairedBatch, RolloutBatch
 
             groups = global_batch(seq, groups=1, per=2 * micro)
             b = RolloutBatch(groups=[Group(g.task_id, g.trajectories) for g in groups])
             if len(keys) == 2:
-                b = RolloutBatch(
-                    groups=[],
-                    extras={"a": b, "b": RolloutBatch(groups=global_batch(seq, 1, 2 * micro))},
+                return PairedBatch(
+                    groups=[], a=b, b=RolloutBatch(groups=global_batch(seq, 1, 2 * micro))
                 )
             return b
 

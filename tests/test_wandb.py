@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from salvage.datamodules.common import assign_advantages
+from salvage.core.grpo import assign_advantages
 from salvage.datamodules.graft import GraftDataModule
 
 wandb = pytest.importorskip("wandb", reason="wandb (extra) is not installed")
@@ -209,7 +209,7 @@ class ScriptedGraft(GraftDataModule):
         batch = super().train_rollout(tasks)
         plan = {"a": [[1, 0, 0, 0], [0, 0, 0, 0]], "b": [[0, 0, 0, 0], [1, 1, 0, 0]]}
         for name, rows in plan.items():
-            for g, succ in zip(batch.extras[name].groups, rows + [[0] * 4] * 8, strict=False):
+            for g, succ in zip(batch.parts()[name].groups, rows + [[0] * 4] * 8, strict=False):
                 for t, ok in zip(g.trajectories, succ, strict=True):
                     t.success, t.reward = bool(ok), float(ok)
                 assign_advantages(g, "grpo", 1e-6, 1e-6, 1e-6)

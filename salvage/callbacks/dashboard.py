@@ -31,6 +31,8 @@ from typing import Any
 
 import lightning as L
 
+from salvage.types import PairedBatch
+
 SUMMARY_COLUMNS: list[Any] = ["metric", "first", "last", "mean"]
 RELAY_KEY = "relay/records"
 EXCHANGE_KEY = "graft/exchange"
@@ -96,20 +98,21 @@ def relay_row(rec: dict[str, Any]) -> list[Any]:
 def exchange_rows(batch: Any, step: int) -> list[list[Any]]:
     """One ``graft/exchange`` row per group a GRAFT update transferred (both directions).
 
-    A receiver's transferred group is marked ``info["peer"]``; k_A and k_B are the successes of
-    each model's own group on that prompt (``own_groups``: before the exchange replaced any).
+    A receiver's transferred group is marked ``peer``; k_A and k_B are the successes of each
+    model's own group on that prompt (``own_groups``: before the exchange replaced any).
     """
-    extras = getattr(batch, "extras", None) or {}
-    ra, rb = extras.get("a"), extras.get("b")
-    if ra is None or rb is None:
+    if not isinstance(batch, PairedBatch):
         return []
-    own = {n: r.extras.get("own_groups", r.groups) for n, r in (("a", ra), ("b", rb))}
+    ra, rb = batch.a, batch.b
+    own = {
+        n: r.own_groups if r.own_groups is not None else r.groups for n, r in batch.parts().items()
+    }
     rows = []
     for direction, receiver in (("a_to_b", rb), ("b_to_a", ra)):
         for q, g in enumerate(receiver.groups):
-            if not g.info.get("peer"):
+            if not g.peer:
                 continue
-            peers = [t for t in g.trajectories if getattr(t, "source", None) == "peer"]
+            peers = [t for t in g.trajectories if t.source == "peer"]
             w = [float(t.weight) for t in peers]
             rows.append(
                 [
