@@ -20,7 +20,8 @@ optimiser steps TRL takes on it, ``steps_per_generation`` of them):
 - step: wall time between the ends of consecutive RL steps (everything: data loading,
   rollout, update, TRL's logging).
 - update tokens: non-pad prompt + completion tokens of the generation batch (each row is
-  trained on once per RL step: ``num_iterations=1``).
+  trained on once per RL step: ``num_iterations=1``); per row (``seq_lens``, ``resp_lens``)
+  for the needed FLOPs of the update.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def main() -> None:
             "update_s": [],
             "step_end": [],
             "resp_len": [],
+            "seq_lens": [],
+            "resp_lens": [],
         }
         state = {"gen_in_step": 0.0, "upd_acc": 0.0, "t_begin": 0.0}
 
@@ -149,6 +152,8 @@ def main() -> None:
             rec["gen_tokens"].append(float(cm.sum()))
             rec["upd_tokens"].append(float(cm.sum() + pm.sum()))
             rec["resp_len"].append(float(cm.sum()) / cm.shape[0])
+            rec["seq_lens"].append((cm.sum(1) + pm.sum(1)).tolist())
+            rec["resp_lens"].append(cm.sum(1).tolist())
             return out
 
         trainer._generate_and_score_completions = timed

@@ -6,6 +6,19 @@ is dropped. Prints a table. Not a test.
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/throughput.py [--steps 3] [--models tiny smollm2-135m-instruct]
 
+Efficiency against the machine's own limits, probed in the same process right after each
+model's run (same threads; ``benchmarks/probes.py``):
+
+- update: needed FLOPs per second (``salvage.core.flops.update_flops`` over each trained
+  sequence, prompt + response, LM head at the response positions only, no padding;
+  divided by the wall time of ``GRPOModule.update``) over the GEMM probe's FLOP/s at the
+  model's layer shapes on (micro-batch x mean sequence length) rows.
+- decode: rollout tokens/s (``perf/rollout_tokens_per_s``: sampling and the behaviour
+  log-prob pass) over the bandwidth floor, B x probed bandwidth / bytes of weights read per
+  decode step, B = sequences per engine call.
+- ``--accelerator gpu``: bf16-mixed, the probes on the GPU in bf16 (weights read as bf16),
+  and MFU = needed update FLOPs/s over the device's published dense bf16 peak.
+
 Times on a shared 2-core machine are noisy: compare rows measured in the same run.
 """
 
@@ -21,9 +34,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from probes import bandwidth_probe, gemm_probe, published_peak  # noqa: E402
 
 from salvage.callbacks.cost import CostTracker  # noqa: E402
+from salvage.core.flops import decode_floor_tokens_per_s, update_flops  # noqa: E402
 from salvage.datamodules.rlvr import RLVRDataModule  # noqa: E402
+from salvage.memory import shape_of  # noqa: E402
 from salvage.models import PolicySpec  # noqa: E402
 from salvage.modules.grpo import GRPOModule  # noqa: E402
 from salvage.rollout.config import EngineConfig  # noqa: E402
@@ -38,19 +55,40 @@ class _Grab(L.Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def measure(model: str, steps: int, prompts: int, n: int, new_tokens: int) -> dict[str, float]:
-    module = GRPOModule(policy=PolicySpec(model), lr=1e-6, num_minibatches=2, micro_batch_size=8)
+def measure(
+    model: str, steps: int, prompts: int, n: int, new_tokens: int, accelerator: str = "cpu"
+) -> dict[str, float]:
+    micro_batch = 8
+    module = GRPOModule(
+        policy=PolicySpec(model), lr=1e-6, num_minibatches=2, micro_batch_size=micro_batch
+    )
+    engine = EngineConfig(max_new_tokens=new_tokens)
     data = RLVRDataModule(
         train=MathData(source="reasoning_gym:basic_arithmetic", size=200),
         prompts_per_step=prompts,
         group_size=n,
         max_prompt_tokens=256,
-        engine=EngineConfig(max_new_tokens=new_tokens),
+        engine=engine,
     )
+    # the update's wall time and the sequences it trained on, per step
+    upd: list[tuple[float, list[int], list[int]]] = []
+    inner_update = module.update
+
+    def timed_update(batch, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        t0 = time.perf_counter()
+        out = inner_update(batch, *a, **kw)
+        turns = [u for t in batch.trajectories for u in t.turns if u.train and u.response_ids]
+        seq = [len(u.prompt_ids) + len(u.response_ids) for u in turns]
+        upd.append((time.perf_counter() - t0, seq, [len(u.response_ids) for u in turns]))
+        return out
+
+    module.update = timed_update  # type: ignore[method-assign]
     grab = _Grab()
+    gpu = accelerator == "gpu"
     with tempfile.TemporaryDirectory() as d:
         trainer = L.Trainer(
-            accelerator="cpu",
+            accelerator=accelerator,
+            precision="bf16-mixed" if gpu else "32-true",
             devices=1,
             max_steps=steps,
             logger=False,
@@ -66,14 +104,37 @@ def measure(model: str, steps: int, prompts: int, n: int, new_tokens: int) -> di
         wall = time.perf_counter() - t0
     rows = grab.rows[1:] or grab.rows
     med = lambda k: statistics.median(r[k] for r in rows if k in r)  # noqa: E731
-    return {
+    shape = shape_of({"name_or_path": model})
+    kept = upd[1:] or upd
+    upd_flops_s = statistics.median(
+        update_flops(shape, seq, scored_lens=resp) / dt for dt, seq, resp in kept
+    )
+    mean_len = statistics.mean(x for _, seq, _ in kept for x in seq)
+    # probes: same process, same threads, right after the run
+    dev = "cuda" if gpu else "cpu"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    gemm = gemm_probe(shape, micro_batch * round(mean_len), dev, dtype)
+    bw = bandwidth_probe(dev)
+    batch = min(prompts * n, engine.batch_size)
+    floor = decode_floor_tokens_per_s(shape, batch, bw, weight_bytes=2 if gpu else 4)
+    res = {
         "params_M": sum(p.numel() for p in module.policy.parameters()) / 1e6,
         "rollout_tok_s": med("perf/rollout_tokens_per_s"),
         "update_tok_s": med("perf/update_tokens_per_s"),
         "step_s": med("perf/step_s"),
         "resp_len": med("rollout/response_len"),
         "wall_s": wall,
+        "upd_GFLOP_s": upd_flops_s / 1e9,
+        "gemm_GFLOP_s": gemm / 1e9,
+        "update_eff": upd_flops_s / gemm,
+        "bw_GB_s": bw / 1e9,
+        "floor_tok_s": floor,
+        "decode_eff": med("perf/rollout_tokens_per_s") / floor,
     }
+    if gpu:
+        peak = published_peak(torch.cuda.get_device_name())
+        res["mfu"] = upd_flops_s / peak if peak else float("nan")
+    return res
 
 
 def main() -> None:
@@ -83,13 +144,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     a = ap.parse_args()
-    results = {m: measure(m, a.steps, a.prompts, a.n, a.new_tokens) for m in a.models}
+    results = {
+        m: measure(m, a.steps, a.prompts, a.n, a.new_tokens, a.accelerator) for m in a.models
+    }
     print(
         f"\nGRPO throughput, {a.prompts} prompts x {a.n} samples x <= {a.new_tokens} new tokens, "
-        f"median of updates 2..{a.steps}, threads={os.environ.get('OMP_NUM_THREADS', 'default')}"
+        f"median of updates 2..{a.steps}, threads={torch.get_num_threads()}"
     )
     cols = ["params_M", "rollout_tok_s", "update_tok_s", "step_s", "resp_len", "wall_s"]
+    cols += ["upd_GFLOP_s", "gemm_GFLOP_s", "update_eff", "bw_GB_s", "floor_tok_s", "decode_eff"]
+    if a.accelerator == "gpu":
+        cols.append("mfu")
+        name = torch.cuda.get_device_name()
+        if published_peak(name) is None:
+            print(f"unknown device {name!r}: no published peak, MFU not computed")
     print("| model | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for m, r in results.items():

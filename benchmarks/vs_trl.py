@@ -33,6 +33,17 @@ Timed, per RL step (one generation batch and its K optimiser steps); first step 
   ``on_step_end`` less the rollout inside it; wall time between RL-step ends).
 Update tok/s = (non-pad prompt + completion tokens trained on) / update time; rollout
 tok/s = generated tokens / rollout time. Not a test; compare ratios on a shared machine.
+
+Efficiency against the machine's own limits (``benchmarks/probes.py``), probed at the end
+of every salvage-side process (same threads, alternating with TRL's runs), pooled medians,
+and applied to both sides:
+- update efficiency: needed FLOPs per second (``salvage.core.flops.update_flops`` over each
+  trained sequence, prompt + completion, LM head at the completion positions only, no
+  padding, divided by the update time) over the fp32 GEMM probe at the model's layer
+  shapes on (micro-batch x mean sequence length) rows.
+- decode efficiency: rollout tok/s over the bandwidth floor P*G x probed bandwidth / fp32
+  bytes of weights read per decode step (both sides generate the P*G sequences at once).
+Both sides run on the CPU, so there is no MFU here (``throughput.py --accelerator gpu``).
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from salvage.core.flops import decode_floor_tokens_per_s, update_flops
+from salvage.core.memory import Shape
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -69,8 +83,10 @@ def salvage_side(spec: dict, out_path: str) -> None:
 
     torch.set_num_threads(int(spec["threads"]))
     import lightning as L
+    from probes import bandwidth_probe, gemm_probe
 
     from salvage.datamodules.rlvr import RLVRDataModule
+    from salvage.memory import shape_of
     from salvage.models import PolicySpec
     from salvage.modules.grpo import GRPOModule
     from salvage.rollout.config import EngineConfig
@@ -108,6 +124,8 @@ def salvage_side(spec: dict, out_path: str) -> None:
         "update_s": [],
         "step_end": [],
         "resp_len": [],
+        "seq_lens": [],
+        "resp_lens": [],
     }
 
     inner_rollout = data.train_rollout
@@ -129,6 +147,9 @@ def salvage_side(spec: dict, out_path: str) -> None:
             )
         )
         rec["resp_len"].append(rec["gen_tokens"][-1] / max(len(trajs), 1))
+        turns = [u for t in trajs for u in t.turns if u.train and u.response_ids]
+        rec["seq_lens"].append([len(u.prompt_ids) + len(u.response_ids) for u in turns])
+        rec["resp_lens"].append([len(u.response_ids) for u in turns])
         return batch
 
     data.train_rollout = timed_rollout
@@ -163,6 +184,11 @@ def salvage_side(spec: dict, out_path: str) -> None:
         trainer.fit(module, datamodule=data)
         rec["wall_s"] = [time.perf_counter() - t0]
     rec["params_M"] = [sum(p.numel() for p in module.policy.parameters()) / 1e6]
+    # machine-limit probes: this process, this thread count, right after the run
+    lens = [x for step in rec["seq_lens"][1:] or rec["seq_lens"] for x in step]
+    shape = shape_of({"name_or_path": spec["model_dir"]})
+    rec["gemm_flops_s"] = [gemm_probe(shape, M * round(statistics.mean(lens)))]
+    rec["bandwidth"] = [bandwidth_probe()]
     json.dump(rec, open(out_path, "w"))
 
 
@@ -236,15 +262,17 @@ def run_side(side: str, spec: dict, work: Path, trl_python: str, tag: str) -> di
     return res
 
 
-def summarise(runs: list[dict]) -> dict[str, float]:
+def summarise(runs: list[dict], shape: Shape) -> dict[str, float]:
     """Per-step figures pooled over rounds, first RL step of each run dropped; medians."""
-    roll, upd, step, resp = [], [], [], []
+    roll, upd, step, resp, flops = [], [], [], [], []
     for r in runs:
         n = min(len(r["rollout_s"]), len(r["update_s"]))
         for k in range(1, n):
             roll.append(r["gen_tokens"][k] / r["rollout_s"][k])
             upd.append(r["upd_tokens"][k] / r["update_s"][k])
             resp.append(r["resp_len"][k])
+            needed = update_flops(shape, r["seq_lens"][k], scored_lens=r["resp_lens"][k])
+            flops.append(needed / r["update_s"][k])
         ends = r["step_end"]
         step += [b - a for a, b in zip(ends, ends[1:], strict=False)]
     med = statistics.median
@@ -253,6 +281,7 @@ def summarise(runs: list[dict]) -> dict[str, float]:
         "update_tok_s": med(upd),
         "step_s": med(step),
         "resp_len": med(resp),
+        "update_flops_s": med(flops),
         "params_M": runs[0]["params_M"][0],
         "n": len(upd),
         "proc_s": sum(r["proc_s"] for r in runs),
@@ -293,7 +322,10 @@ def main() -> None:
         text=True,
         check=True,
     ).stdout.split()
+    from salvage.memory import shape_of
+
     results: dict[str, dict[str, dict[str, float]]] = {}
+    limits: dict[str, dict[str, float]] = {}
     raw: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as d:
         work = Path(d)
@@ -318,7 +350,15 @@ def main() -> None:
                         f"  {model} round {r + 1} {side}: {runs[side][-1]['proc_s']:.0f} s",
                         file=sys.stderr,
                     )
-            results[model] = {side: summarise(v) for side, v in runs.items()}
+            shape = shape_of({"name_or_path": mdir})
+            results[model] = {side: summarise(v, shape) for side, v in runs.items()}
+            gemm = statistics.median(r["gemm_flops_s"][0] for r in runs["salvage"])
+            bw = statistics.median(r["bandwidth"][0] for r in runs["salvage"])
+            limits[model] = {
+                "gemm": gemm,
+                "bw": bw,
+                "floor": decode_floor_tokens_per_s(shape, s["prompts"] * s["n"], bw),
+            }
             raw[model] = runs
     if a.raw:
         Path(a.raw).write_text(json.dumps(raw, indent=1))
@@ -334,12 +374,21 @@ def main() -> None:
             f"{s['minibatches']} optimiser steps of {s['prompts'] * s['n'] // s['minibatches']} seqs "
             f"(micro-batch {s['micro_batch']}) per RL step, {s['steps']} RL steps per run"
         )
+        lim = limits[model]
+        print(
+            f"  probes: fp32 GEMM {lim['gemm'] / 1e9:.1f} GFLOP/s at its layer shapes, "
+            f"bandwidth {lim['bw'] / 1e9:.1f} GB/s -> decode floor {lim['floor']:,.0f} tok/s "
+            f"at batch {s['prompts'] * s['n']}"
+        )
     print(
-        "| model | side | rollout tok/s | update tok/s | step (s) | response len | ratio salvage/TRL (rollout / update / step time) |"
+        "| model | side | rollout tok/s | update tok/s | step (s) | response len | "
+        "update GFLOP/s (needed) | update eff. (/ GEMM probe) | decode eff. (/ bandwidth floor) | "
+        "ratio salvage/TRL (rollout / update / step time) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for model, res in results.items():
         sv, tr = res["salvage"], res["trl"]
+        lim = limits[model]
         for side, r in (("salvage", sv), ("TRL", tr)):
             ratio = (
                 (
@@ -351,7 +400,9 @@ def main() -> None:
             )
             print(
                 f"| {model} | {side} | {r['rollout_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | {r['step_s']:.2f} | "
-                f"{r['resp_len']:.1f} | {ratio} |"
+                f"{r['resp_len']:.1f} | {r['update_flops_s'] / 1e9:.2f} | "
+                f"{r['update_flops_s'] / lim['gemm']:.2f} | {r['rollout_tok_s'] / lim['floor']:.3f} | "
+                f"{ratio} |"
             )
 
 

@@ -172,3 +172,24 @@ def test_update_flops_by_hand():
     assert update_flops(S, [3], recompute=True, frozen_forwards=1) == 5 * 2256
     assert update_flops(S, [3, 3]) == 2 * 3 * 2256
     assert mfu(1e12, 2.0, 1e12, 2) == 0.25
+
+
+def test_scored_positions_and_decode_floor_by_hand():
+    from salvage.core.flops import (
+        decode_floor_tokens_per_s,
+        decode_weight_bytes,
+        forward_flops,
+        update_flops,
+    )
+
+    # LM head at 1 of 3 positions: matmuls 2 x (2 layers x 152 x 3 + 10 x 4 x 1) = 2 x 952 =
+    # 1904; attention as before 192
+    assert forward_flops(S, 3, scored=1) == 2096
+    # 2 tokens, head at both: 2 x (2 x 152 x 2 + 40 x 2) = 1376; attention 2 x 2 x 4 x 2 x 3 = 96
+    assert update_flops(S, [3, 2], scored_lens=[1, 2]) == 3 * (2096 + 1472)
+    with pytest.raises(ValueError, match="scored_lens has 1 entries, seq_lens 2"):
+        update_flops(S, [3, 2], scored_lens=[1])
+    # weights read per decode step: (2 layers x 152 + LM head 10 x 4) x 4 bytes = 1376
+    assert decode_weight_bytes(S) == 1376
+    # 8 sequences at 1376 kB/s: 1000 steps/s x 8 tokens
+    assert decode_floor_tokens_per_s(S, 8, 1376e3) == 8000
