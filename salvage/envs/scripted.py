@@ -70,6 +70,11 @@ class ScriptedEnv(ReplayEnv):
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         if action == "crash!":
+            # the process dies DURING this step: earlier steps' replies have gone out. (Ray
+            # sends an actor task's reply asynchronously; an exit at the very instant the
+            # step starts can lose the finished reply of the previous task on that actor,
+            # which no pool can tell apart from a crash in that task: a flaky test.)
+            time.sleep(0.5)
             os._exit(17)
         if action == "hang!":
             time.sleep(3600)
