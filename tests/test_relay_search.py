@@ -8,32 +8,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_relay_core import drive  # scripted answers -> (result, log of requests)
 
 from salvage.core.relay import (
     Outcome,
     RelayConfig,
     StudentRequest,
-    TeacherRequest,
     known_failure,
     relay_search,
 )
-
-
-def drive(gen, teacher, student, replay=lambda req: True):
-    log = []
-    try:
-        req = next(gen)
-        while True:
-            log.append(req)
-            if isinstance(req, TeacherRequest):
-                ans = teacher(req)
-            elif isinstance(req, StudentRequest):
-                ans = student(req)
-            else:
-                ans = replay(req)
-            req = gen.send(ans)
-    except StopIteration as stop:
-        return stop.value, log
 
 
 def run(
