@@ -19,6 +19,11 @@ A study file::
         - "--model.init_args.beta 0.2"
     seed_keys: [seed_everything, data.init_args.seed, model.init_args.seed]  # the default
     ray_resources: {num_gpus: 1, num_cpus: 4}    # optional, --backend ray only
+    prepare:                      # optional set-up before the runs (e.g. a shared warm start):
+      - creates: runs/warmstart/x_policy        # skipped when this path exists
+        run: fit --config configs/... --config studies/warmstart/x.yaml   # salvage arguments
+      - creates: runs/warmstart/x_policy
+        run: export runs/warmstart/x runs/warmstart/x_policy
 
 Paths (``base`` and fragments): absolute, or relative to the study file's folder if the file
 is there, else relative to the current directory. A mapping item's values are passed as
@@ -73,6 +78,7 @@ STUDY_KEYS = {
     "methods",
     "seed_keys",
     "ray_resources",
+    "prepare",
 }
 
 
@@ -89,6 +95,8 @@ class Study:
     baseline: str | None = None
     seed_keys: tuple[str, ...] = DEFAULT_SEED_KEYS
     ray_resources: dict[str, float] | None = None
+    prepare: list[tuple[Path, list[str]]] = field(default_factory=list)
+    """Set-up steps before the runs: (path the step creates, ``salvage`` arguments)."""
 
 
 @dataclass
@@ -224,6 +232,18 @@ def load_study(path: str | Path) -> Study:
         isinstance(res, dict) and all(isinstance(v, (int, float)) for v in res.values())
     ):
         raise _err(file, "ray_resources", res, "must be a mapping name -> number")
+    prepare = []
+    for i, step in enumerate(spec.get("prepare") or []):
+        key = f"prepare[{i}]"
+        if not (isinstance(step, dict) and set(step) == {"creates", "run"}):
+            raise _err(file, key, step, "must be a mapping with exactly 'creates' and 'run'")
+        cmd = step["run"]
+        args = shlex.split(cmd) if isinstance(cmd, str) else cmd
+        if not (isinstance(args, list) and args and all(isinstance(a, str) for a in args)):
+            raise _err(file, f"{key}.run", cmd, "must be salvage arguments (a string or a list)")
+        if not isinstance(step["creates"], str) or not step["creates"]:
+            raise _err(file, f"{key}.creates", step["creates"], "must be a path")
+        prepare.append((Path(step["creates"]), list(args)))
     return Study(
         name=name,
         file=file.resolve(),
@@ -234,6 +254,7 @@ def load_study(path: str | Path) -> Study:
         baseline=baseline,
         seed_keys=tuple(seed_keys),
         ray_resources=res,
+        prepare=prepare,
     )
 
 
@@ -424,6 +445,20 @@ def run_study(
             "runs": {f"{r.method}/seed{r.seed}": r.args for r in runs},
         },
     )
+    for i, (creates, args) in enumerate(study.prepare):
+        if creates.exists():
+            continue
+        cmd = [sys.executable, "-m", "salvage.cli", *args]
+        print(f"[prepare {i + 1}/{len(study.prepare)}] salvage {shlex.join(args)}", flush=True)
+        rc = execute(cmd, str(out_dir / "prepare" / str(i)), dict(os.environ))
+        if rc != 0:
+            log = out_dir / "prepare" / str(i) / "fit.log"
+            print(
+                f"study {study.name}: prepare step {i + 1} (salvage {shlex.join(args)}) exited "
+                f"{rc}; see {log}:\n{_tail(log)}",
+                file=sys.stderr,
+            )
+            return 1
     todo = [r for r in runs if not r.done]
     for r in runs:
         if r.done and _recorded_args(r) not in (None, r.args):

@@ -390,3 +390,37 @@ def test_ray_backend_runs_each_run_as_a_task(tmp_path):
     run = out / "grpo" / "seed0"
     assert json.loads((run / "done.json").read_text())["returncode"] == 0
     assert (run / "version_0" / "metrics.csv").is_file()
+
+
+def test_prepare_steps_run_once_before_the_runs_and_a_failure_stops_the_study(
+    tmp_path, monkeypatch, capsys
+):
+    # real `salvage` subcommands as set-up steps (compare on a tiny hand-made run dir, then an
+    # export that must fail); the fits themselves are a quick stand-in
+    from salvage import study as study_mod
+
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "made_from/version_0/metrics.csv", "step,val/success\n0,0.5\n1,0.75\n")
+    quick = [sys.executable, "-c", "print('fit')"]
+    monkeypatch.setattr(study_mod.Run, "command", lambda self: quick)
+    body = f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: []}}\n"
+    f = _write(
+        tmp_path / "s.yaml",
+        body + "prepare:\n  - {creates: made, run: compare made_from --out made}\n",
+    )
+    assert run_study(f, "o") == 0
+    assert (tmp_path / "made" / "compare.md").is_file()
+    assert "[prepare 1/1] salvage compare made_from --out made" in capsys.readouterr().out
+    assert run_study(f, "o2") == 0  # `made` exists: the step is skipped
+    assert "[prepare" not in capsys.readouterr().out
+    bad = _write(
+        tmp_path / "b.yaml",
+        body + "prepare:\n  - {creates: nope, run: [export, no_such_run, out]}\n",
+    )
+    assert run_study(bad, "o3") == 1
+    err = capsys.readouterr().err
+    assert "prepare step 1 (salvage export no_such_run out) exited 2" in err
+    assert not (tmp_path / "o3" / "grpo" / "seed0" / "done.json").exists()  # no run started
+    wrong = _write(tmp_path / "w.yaml", body + "prepare:\n  - {creates: x}\n")
+    with pytest.raises(ValueError, match=r"prepare\[0\].*exactly 'creates' and 'run'"):
+        load_study(wrong)
