@@ -45,6 +45,7 @@ def test_scripted_end_to_end_paper_and_monotone(tmp_path):
     assert len(cap.relays) == 2
 
 
+@pytest.mark.slow  # ~80 s (TextWorld-Express JVMs); the scripted test above covers the stage
 def test_cli_twx_tiny_monotone_search(tmp_path):
     """A 2-update CLI fit of configs/vhgpo/twx_tiny.yaml with the switch on the command line,
     without its SFT warm start (the records are under test, not the student)."""
