@@ -23,6 +23,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -61,6 +62,23 @@ def _bench(path: Path, answers: list[int]) -> MathData:
     rows = [{"problem": f"What is {a - 1} + 1?", "answer": str(a)} for a in answers]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return MathData(source=str(path))
+
+
+def _eval_data(out: Path, engine: Any) -> dict[str, Any]:
+    """The evaluation runs' datamodule arguments (two benchmarks, odd answers rewarded)."""
+    return dict(
+        train=MathData(size=8, seed=0),
+        val=[
+            _bench(out / "bench1.jsonl", [1, 2, 3, 4, 5]),
+            _bench(out / "bench2.jsonl", [6, 7]),
+        ],
+        prompts_per_step=2,
+        group_size=2,
+        engine=engine,
+        val_samples=2,
+        val_batch_size=2,
+        reward=OddAnswers(),
+    )
 
 
 def main() -> None:
@@ -122,19 +140,7 @@ def main() -> None:
         from salvage.modules.grpo import GRPOModule
 
         module = GRPOModule(policy=PolicySpec("tiny"), lr=1e-4, micro_batch_size=8)
-        data = RLVRDataModule(
-            train=MathData(size=8, seed=0),
-            val=[
-                _bench(out / "bench1.jsonl", [1, 2, 3, 4, 5]),
-                _bench(out / "bench2.jsonl", [6, 7]),
-            ],
-            prompts_per_step=2,
-            group_size=2,
-            engine=engine,
-            val_samples=2,
-            val_batch_size=2,
-            reward=OddAnswers(),
-        )
+        data = RLVRDataModule(**_eval_data(out, engine))
     else:
         from salvage.datamodules.graft import GraftDataModule
         from salvage.modules.graft import GRAFTModule
@@ -145,19 +151,7 @@ def main() -> None:
             lr=1e-4,
             micro_batch_size=8,
         )
-        data = GraftDataModule(
-            train=MathData(size=8, seed=0),
-            val=[
-                _bench(out / "bench1.jsonl", [1, 2, 3, 4, 5]),
-                _bench(out / "bench2.jsonl", [6, 7]),
-            ],
-            prompts_per_step=2,
-            group_size=2,
-            engine=engine,
-            val_samples=2,
-            val_batch_size=2,
-            reward=OddAnswers(),
-        )
+        data = GraftDataModule(**_eval_data(out, engine))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
