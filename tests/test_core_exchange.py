@@ -82,3 +82,15 @@ def test_sequence_peer_ratio_and_success_filter():
     src = Group("q", peers)
     assert peer_responses(src, ExchangeRules(peer_filter="success")) == peers[:1]
     assert peer_responses(src, ExchangeRules(peer_filter="success", mode="hacpo")) == peers
+
+
+def test_weight_metrics_by_hand():
+    from salvage.core.exchange import weight_metrics
+
+    # weights 0, 0.5, 1, 0: mean 1.5 / 4 = 0.375; admitted (w > 0) 2 of 4 = 0.5
+    assert weight_metrics([0.0, 0.5, 1.0, 0.0]) == {
+        "graft/weight_mean": 0.375,
+        "graft/admitted_frac": 0.5,
+    }
+    # no transfers: no admitted fraction at all (not 0, "none admitted")
+    assert weight_metrics([]) == {"graft/weight_mean": 0.0}

@@ -29,7 +29,7 @@ from typing import Any
 
 import lightning as L
 
-from salvage.core.exchange import ExchangeRules
+from salvage.core.exchange import ExchangeRules, weight_metrics
 from salvage.core.graft import plan_minibatches, select_unidirectional
 from salvage.core.grpo import assign_advantages
 from salvage.core.seeds import STORED_ADMISSION, step_seed
@@ -251,11 +251,10 @@ class StoredPeer(L.Callback):
             pl_module.hparams.num_minibatches,
             random.Random(0),
         )
-        values = {
-            "graft/transferred_stored": float(len(prompts)),
-            "graft/transferred_stored_cum": float(self.transferred),
-            "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
-        }
-        if weights:  # absent at updates without transfers, as in GRAFTModule
-            values["graft/admitted_frac"] = sum(w > 0 for w in weights) / len(weights)
-        pl_module.record(values)
+        pl_module.record(
+            {
+                "graft/transferred_stored": float(len(prompts)),
+                "graft/transferred_stored_cum": float(self.transferred),
+            }
+            | weight_metrics(weights)
+        )

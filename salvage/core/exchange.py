@@ -145,3 +145,15 @@ def receive_group(
             t.advantage = a
         trajs = own_t + trajs
     return Group(task_id=own.task_id, trajectories=trajs, task=own.task, peer=True)
+
+
+def weight_metrics(weights: Sequence[float]) -> dict[str, float]:
+    """``graft/weight_mean`` of an update's peer-response weights (0 without any), and
+    ``graft/admitted_frac``, the fraction the gate admitted (w > 0), only when there were
+    transfers (a 0 there would read as "none admitted")."""
+    if not weights:
+        return {"graft/weight_mean": 0.0}
+    return {
+        "graft/weight_mean": sum(weights) / len(weights),
+        "graft/admitted_frac": sum(w > 0 for w in weights) / len(weights),
+    }

@@ -33,7 +33,7 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 
 from salvage.core.evaluation import repeat_metrics
-from salvage.core.exchange import ExchangeRules, peer_responses, receive_group
+from salvage.core.exchange import ExchangeRules, peer_responses, receive_group, weight_metrics
 from salvage.core.graft import (
     BALANCE,
     ORDERS,
@@ -349,12 +349,9 @@ class GRAFTModule(L.LightningModule):
                 "graft/transferred_b_to_a": float(len(tr.b_to_a)),
                 "graft/complementary_a_to_b": float(tr.m_ab),
                 "graft/complementary_b_to_a": float(tr.m_ba),
-                "graft/weight_mean": (sum(weights) / len(weights)) if weights else 0.0,
             }
+            | weight_metrics(weights)
         )
-        if weights:  # of the transferred responses, the fraction the gate admits (w > 0);
-            # absent at updates without transfers (0 there would read as "none admitted")
-            values["graft/admitted_frac"] = sum(w > 0 for w in weights) / len(weights)
         if live_ab is not None and live_ba is not None:
             values["graft/selected_a_to_b"] = float(len(live_ab))
             values["graft/selected_b_to_a"] = float(len(live_ba))
