@@ -16,11 +16,9 @@ heterogeneous pair of the evidence study). Runs once: a resumed run does not rep
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any
 
 import lightning as L
-import torch
 
 from salvage.callbacks.sft import OracleSFT
 from salvage.datamodules.base import attached_datamodule
@@ -28,7 +26,6 @@ from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.errors import ConfigError
 from salvage.modules.graft import GRAFTModule
 from salvage.modules.grpo import GRPOModule
-from salvage.progress import stage
 from salvage.tasks.math import MathData, load_math_tasks, source_labels
 
 log = logging.getLogger(__name__)
@@ -117,34 +114,7 @@ class AnswerSFT(OracleSFT):
             return
         module = self._target(pl_module)
         pairs = self.demonstrations(trainer, module)
-        model = module.policy
-        if model is None:
-            raise RuntimeError("AnswerSFT: the policy is not built yet (configure_model)")
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
-        rng = random.Random(self.seed)
-        pad = int(module.tokenizer.pad_token_id)
-        model.train()
-        name = f" ({self.learner})" if self.learner else ""
-        with stage(f"answer SFT warm start{name}", total=self.steps, unit="step") as bar:
-            self._train(model, opt, rng, pairs, pad, pl_module, bar)
-        opt.zero_grad(set_to_none=True)
-        module.reset_reference()
-        self.done = True
-        prefix = f"{self.learner}/sft" if self.learner else "sft"
-        if isinstance(pl_module, (GRPOModule, GRAFTModule)):
-            pl_module.record_later(
-                {
-                    f"{prefix}/loss_first": self.history[0],
-                    f"{prefix}/loss_last": self.history[-1],
-                    f"{prefix}/pairs": float(len(pairs)),
-                    f"{prefix}/steps": float(self.steps),
-                }
-            )
-        log.info(
-            "AnswerSFT%s: %d pairs, loss %.3f -> %.3f over %d steps",
-            name,
-            len(pairs),
-            self.history[0],
-            self.history[-1],
-            self.steps,
+        name = f"AnswerSFT ({self.learner})" if self.learner else "AnswerSFT"
+        self._warm_start(
+            module, pairs, pl_module, name, f"{self.learner}/sft" if self.learner else "sft"
         )

@@ -122,26 +122,41 @@ class OracleSFT(L.Callback):
             )
         if not isinstance(pl_module, GRPOModule):
             raise TypeError(f"OracleSFT warm-starts a GRPOModule, got {type(pl_module).__name__}")
-        model = pl_module.live_policy
+        self._warm_start(pl_module, pairs, pl_module, "OracleSFT", "sft")
+
+    def _warm_start(
+        self,
+        module: GRPOModule,
+        pairs: list[tuple[list[int], list[int]]],
+        pl_module: Any,
+        name: str,
+        prefix: str,
+    ) -> None:
+        """Train ``module``'s policy on ``pairs`` for ``steps`` steps (its own AdamW), make its
+        reference the result, mark the warm start done and record ``<prefix>/*`` through
+        ``pl_module.record_later``."""
+        model = module.live_policy
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=self.lr)
         rng = random.Random(self.seed)
-        pad = int(pl_module.tokenizer.pad_token_id)
+        pad = int(module.tokenizer.pad_token_id)
         model.train()
-        with stage("oracle SFT warm start", total=self.steps, unit="step") as bar:
+        with stage(f"{name} warm start", total=self.steps, unit="step") as bar:
             self._train(model, opt, rng, pairs, pad, pl_module, bar)
         opt.zero_grad(set_to_none=True)
-        pl_module.reset_reference()
+        module.reset_reference()
         self.done = True
         pl_module.record_later(
             {
-                "sft/loss_first": self.history[0],
-                "sft/loss_last": self.history[-1],
-                "sft/pairs": float(len(pairs)),
-                "sft/steps": float(self.steps),
+                f"{prefix}/loss_first": self.history[0],
+                f"{prefix}/loss_last": self.history[-1],
+                f"{prefix}/pairs": float(len(pairs)),
+                f"{prefix}/steps": float(self.steps),
             }
         )
         log.info(
-            "OracleSFT: loss %.3f -> %.3f over %d steps",
+            "%s: %d pairs, loss %.3f -> %.3f over %d steps",
+            name,
+            len(pairs),
             self.history[0],
             self.history[-1],
             self.steps,
