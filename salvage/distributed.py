@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,9 @@ class FSDPConfig:
     reference: str = "shard"
     """Frozen models (reference, teacher): ``shard`` (FSDP, gathered for each use),
     ``offload`` (sharded in CPU memory) or ``replicate`` (a full copy per rank)."""
+    init_on_rank0: bool = True
+    """Only rank 0 loads the weights; the other ranks build the model on the meta device and
+    receive their shards from it (False: every rank loads a full copy before sharding)."""
 
     def __post_init__(self) -> None:
         for key in ("param_dtype", "reduce_dtype"):
@@ -233,6 +236,88 @@ def shard_model(
     if "offload_policy" in kwargs:
         setattr(model, "_salvage_offloaded", True)  # noqa: B010 - read back by to_device()
     return model
+
+
+def load_sharded(
+    load: Callable[[], torch.nn.Module],
+    build_empty: Callable[[], torch.nn.Module],
+    mesh: Any,
+    cfg: FSDPConfig,
+    frozen: bool = False,
+    device: torch.device | str | None = None,
+) -> torch.nn.Module:
+    """A model sharded with ``shard_model`` on ``mesh``, its full weights read by rank 0 only.
+
+    ``load`` builds the model with its weights (called on rank 0 only), ``build_empty`` the
+    same architecture (called under ``torch.device("meta")`` on every rank). Every rank shards
+    the meta model, allocates its own shards, and receives them from rank 0's full state dict
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``); buffers, persistent or not
+    (the rotary ``inv_freq``), and the generation config are broadcast from rank 0 too. A rank
+    other than 0 never holds more than its shards (and one tensor in flight), instead of the
+    full model. ``frozen``: a reference / teacher (eval mode, no gradients). ``device``: where
+    a frozen model that is not sharded goes. Without ``cfg.init_on_rank0``, on one process,
+    or for a replicated frozen model (a full copy per rank anyway), every rank calls ``load``.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def freeze(m: torch.nn.Module) -> torch.nn.Module:
+        return m.eval().requires_grad_(False) if frozen else m
+
+    if not cfg.init_on_rank0 or world()[1] == 1 or (frozen and cfg.reference == "replicate"):
+        model = freeze(load())
+        if frozen and device is not None:
+            model.to(device)
+        return shard_model(model, mesh, cfg, frozen)
+    d = torch.distributed
+    full = freeze(load()) if d.get_rank() == 0 else None
+    with torch.device("meta"):
+        model = freeze(build_empty())
+    tied = _tied_parameters(model)
+    shard_model(model, mesh, cfg, frozen)
+    dev_type = getattr(mesh, "device_type", "cpu")
+    if dev_type == "cpu" or wants_offload(cfg, frozen, dev_type):
+        home = torch.device("cpu")  # offloaded shards live in CPU memory
+    else:
+        home = torch.device(dev_type, torch.accelerator.current_device_index())
+    model.to_empty(device=home)
+    _retie(model, tied)
+    full_sd = full.state_dict() if full is not None else {}
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    set_model_state_dict(model, full_sd, options=opts)
+    del full_sd
+    theirs = dict(full.named_buffers()) if full is not None else {}
+    comm = _device()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            tmp = (theirs[name] if full is not None else buf).to(comm, buf.dtype, copy=True)
+            d.broadcast(tmp, src=0)
+            buf.copy_(tmp)
+    if hasattr(model, "generation_config"):
+        box = [getattr(full, "generation_config", None)]
+        d.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            setattr(model, "generation_config", box[0])  # noqa: B010 - an HF model attribute
+    del full
+    return model
+
+
+def _tied_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters shared under several names (a tied LM head), per shared tensor."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
+
+
+def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
+    """Share again the parameters ``tied`` names if materialising them split them."""
+    for first, *others in tied:
+        p = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            mod = model.get_submodule(owner)
+            if mod._parameters[attr] is not p:
+                mod._parameters[attr] = p
 
 
 def wants_offload(cfg: FSDPConfig, frozen: bool, device_type: str) -> bool:

@@ -207,7 +207,39 @@ def load_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Modul
             revision=None if name in BUILTINS else spec.revision,
             trust_remote_code=spec.trust_remote_code,
         )
-    cast_parameters(model, dtype)
+    return _finish_model(model, spec)
+
+
+def build_empty_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Module:
+    """The causal LM of a policy with its parameters on the meta device: the architecture,
+    dtypes and trainable flags of ``load_model``, but no memory and no weights read.
+
+    For FSDP2's initialisation on rank 0 (``salvage.distributed.load_sharded``): the other
+    ranks build this, shard it, and receive their shards from rank 0's loaded copy. Its
+    buffers (the rotary ``inv_freq``) are meta too: they come from rank 0 as well.
+    """
+    name = spec.name_or_path
+    with torch.device("meta"):
+        if name == "tiny":
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec)
+            model = build_tiny_model(tokenizer, spec)
+        else:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            path = str(smollm2_checkpoint()) if name == "smollm2-135m-instruct" else name
+            remote = spec.trust_remote_code
+            cfg = _from_pretrained(
+                AutoConfig.from_pretrained,
+                path,
+                revision=None if name in BUILTINS else spec.revision,
+                trust_remote_code=remote,
+            )
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=remote)
+    return _finish_model(model, spec)
+
+
+def _finish_model(model: torch.nn.Module, spec: PolicySpec) -> torch.nn.Module:
+    cast_parameters(model, _DTYPES[spec.dtype])
     if spec.trainable_layers is not None:
         freeze_below(model, spec.trainable_layers)
     model.train()

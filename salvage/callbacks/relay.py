@@ -66,8 +66,15 @@ from salvage.core.seeds import (
 )
 from salvage.datamodules.agent import AgentDataModule
 from salvage.datamodules.base import attached_datamodule
-from salvage.distributed import all_reduce, gather_objects, gathered, run_file, shard_model, world
-from salvage.models import PolicySpec, load_policy
+from salvage.distributed import (
+    all_reduce,
+    gather_objects,
+    gathered,
+    load_sharded,
+    run_file,
+    world,
+)
+from salvage.models import PolicySpec, build_empty_model, load_model, load_tokenizer
 from salvage.modules.grpo import GRPOModule
 from salvage.progress import stage
 from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
@@ -382,11 +389,20 @@ class VerifiedHandoff(RescueCallback):
         if self.teacher_spec.kind == "oracle":
             self._teacher = OraclePolicy(dm.fmt)
         elif self._teacher is None and self.teacher_spec.policy is not None:
-            model, tok = load_policy(self.teacher_spec.policy)
-            model.eval().requires_grad_(False).to(module.device)
+            spec = self.teacher_spec.policy
+            tok = load_tokenizer(spec)
             mesh = module.fsdp_mesh()
             if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
-                shard_model(model, mesh, module.fsdp, frozen=True)
+                model = load_sharded(
+                    lambda: load_model(spec, tok),
+                    lambda: build_empty_model(spec, tok),
+                    mesh,
+                    module.fsdp,
+                    frozen=True,
+                    device=module.device,
+                )
+            else:
+                model = load_model(spec, tok).eval().requires_grad_(False).to(module.device)
             self.teacher_model = model
             engine = build_engine(
                 self.teacher_spec.engine or dm.engine_cfg, model, tok, frozen=True

@@ -43,6 +43,7 @@ from salvage.distributed import (
     global_scale,
     is_sharded,
     load_reference,
+    load_sharded,
     lockstep,
     merge_eval_records,
     save_reference,
@@ -50,9 +51,15 @@ from salvage.distributed import (
     to_device,
     world,
 )
-from salvage.lm import bump_weights_version, pad_right, token_logprobs
+from salvage.lm import (
+    DEFAULT_LOGPROB_CHUNK,
+    bump_weights_version,
+    pad_right,
+    set_logprob_chunk_size,
+    token_logprobs,
+)
 from salvage.metrics import StepMetrics
-from salvage.models import PolicySpec, load_model, load_tokenizer
+from salvage.models import PolicySpec, build_empty_model, load_model, load_tokenizer
 from salvage.types import RolloutBatch, SeqRatio, TokenBatch, Trajectory
 
 log = logging.getLogger(__name__)
@@ -148,6 +155,9 @@ class GRPOModule(L.LightningModule):
         fsdp: FSDP2 sharding of the policy and the reference under
             ``ModelParallelStrategy`` (mixed precision, activation checkpointing,
             offloading); ignored by other strategies.
+        logprob_chunk_size: positions per LM-head chunk when scoring tokens (update,
+            reference, behaviour log-probs): at most this many x vocab logits exist at once
+            instead of micro-batch x length x vocab; 0 computes the full logits at once.
     """
 
     METRICS: tuple[str, ...] = TRAIN_METRICS
@@ -172,6 +182,7 @@ class GRPOModule(L.LightningModule):
         max_nonfinite_in_a_row: int = 3,
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
+        logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
     ) -> None:
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -198,6 +209,9 @@ class GRPOModule(L.LightningModule):
             "model.max_nonfinite_in_a_row",
             max_nonfinite_in_a_row,
             "must be >= 1",
+        )
+        _check(
+            logprob_chunk_size >= 0, "model.logprob_chunk_size", logprob_chunk_size, "must be >= 0"
         )
         self.spec = policy or PolicySpec()
         self.fsdp = fsdp or FSDPConfig()
@@ -234,13 +248,28 @@ class GRPOModule(L.LightningModule):
 
     def build(self, mesh: Any = None) -> None:
         """Load the policy (and the reference when something needs one); shard both with
-        FSDP2 on ``mesh`` (None: unsharded). Idempotent."""
+        FSDP2 on ``mesh`` (None: unsharded). Idempotent.
+
+        On a mesh, only rank 0 reads the weights (``fsdp.init_on_rank0``): the other ranks
+        build the models on the meta device and receive their shards (``load_sharded``)."""
+        spec, tok = self.spec, self.tokenizer
+
+        def load() -> torch.nn.Module:
+            return load_model(spec, tok)
+
+        def empty() -> torch.nn.Module:
+            return build_empty_model(spec, tok)
+
         if self.policy is None:
-            self.policy = load_model(self.spec, self.tokenizer)
+            self.policy = load() if mesh is None else load_sharded(load, empty, mesh, self.fsdp)
         if self.needs_reference() and not self._ref:
-            ref = load_model(self.spec, self.tokenizer)
-            ref.eval().requires_grad_(False)
+            if mesh is None:
+                ref = load().eval().requires_grad_(False)
+            else:
+                ref = load_sharded(load, empty, mesh, self.fsdp, frozen=True, device=self.device)
             self._ref.append(ref)
+        for m in (self.policy, *self._ref):
+            set_logprob_chunk_size(m, self.hparams.get("logprob_chunk_size", DEFAULT_LOGPROB_CHUNK))
         if mesh is not None:
             if not is_sharded(self.policy):
                 shard_model(self.policy, mesh, self.fsdp)
