@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -56,12 +57,95 @@ def pad_left(
     return ids, mask
 
 
+DEFAULT_LOGPROB_CHUNK = 1024
+"""Positions per LM-head chunk of ``token_logprobs`` when the model sets none (0: unchunked)."""
+
+_LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Config keys of models whose forward changes the LM head's output (soft-capping, scaling):
+the chunked path, which replaces that output, falls back to full logits for them."""
+
+
+def logprob_chunk_size(model: torch.nn.Module) -> int:
+    """The LM-head chunk ``token_logprobs`` uses for ``model`` (``set_logprob_chunk_size``)."""
+    return int(getattr(model, "_salvage_logprob_chunk", DEFAULT_LOGPROB_CHUNK))
+
+
+def set_logprob_chunk_size(model: torch.nn.Module, chunk: int) -> None:
+    """Score ``model``'s tokens ``chunk`` positions at a time (0: the full logits at once)."""
+    if chunk < 0:
+        raise ValueError(f"logprob_chunk_size must be >= 0, got {chunk}")
+    setattr(model, "_salvage_logprob_chunk", int(chunk))  # noqa: B010 - read by token_logprobs
+
+
+class _ChunkedHead(torch.nn.Module):
+    """Stands in for a causal LM's head during one forward: returns the targets' log-probs
+    (B, n), computed ``chunk`` positions at a time, instead of the logits (B, T, V).
+
+    It runs inside the model's forward, so an FSDP2 root has its parameters gathered as for
+    the head itself. With gradients each chunk is checkpointed: only its hidden states are
+    kept and the head, log-softmax and gather are recomputed in the backward, so no more
+    than ``chunk x V`` logits are alive at once in either pass.
+    """
+
+    def __init__(self, head: torch.nn.Module, chunk: int, temperature: float) -> None:
+        super().__init__()
+        self.head = head
+        self.chunk = chunk
+        self.temperature = temperature
+        self.targets: torch.Tensor | None = None
+
+    def score(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lg = self.head(hidden).float()
+        if self.temperature != 1.0:
+            lg = lg / self.temperature
+        return torch.log_softmax(lg, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        targets = self.targets
+        if targets is None:
+            raise RuntimeError("_ChunkedHead called without targets")
+        B, n = targets.shape
+        # the positions that predict the targets: all kept ones but the last
+        h = hidden[:, hidden.shape[1] - n - 1 : -1].reshape(B * n, hidden.shape[-1])
+        flat = targets.reshape(B * n)
+        parts = []
+        for s in range(0, B * n, self.chunk):
+            hc, tc = h[s : s + self.chunk], flat[s : s + self.chunk]
+            if torch.is_grad_enabled():
+                got = checkpoint(self.score, hc, tc, use_reentrant=False, preserve_rng_state=False)
+                parts.append(cast(torch.Tensor, got))
+            else:
+                parts.append(self.score(hc, tc))
+        if not parts:
+            return hidden.new_zeros((B, n), dtype=torch.float32)
+        return torch.cat(parts).reshape(B, n)
+
+
+def _head_name(model: torch.nn.Module) -> str | None:
+    """The attribute holding ``model``'s LM head, when the chunked path can replace it."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, torch.nn.Module):
+        return None
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in _LOGIT_MODIFIERS):
+        return None
+    for name, child in model.named_children():
+        if child is head:
+            return name
+    return None
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float = 1.0,
     first: int = 0,
+    *,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """log pi(x_t | x_<t) / T-tempered, for t = 1..T-1; shape (B, T-1), float32.
 
@@ -70,9 +154,55 @@ def token_logprobs(
     ``first``: output positions before it are not needed (prompt tokens): the LM head and
     the log-softmax run only from there (HF ``logits_to_keep``; the same values, the
     skipped positions are 0).
+    ``chunk_size``: positions (over all rows) per LM-head chunk, so at most ``chunk_size x
+    vocab`` logits exist at once instead of ``B x T x vocab`` (the largest activation for a
+    150K vocabulary); 0: the full logits; None: the model's own setting
+    (``set_logprob_chunk_size``, default ``DEFAULT_LOGPROB_CHUNK``). The same values and
+    gradients either way (up to float rounding). Models without a replaceable head, or whose
+    forward rescales the logits, take the full-logits path.
     """
     T = input_ids.shape[1]
     first = max(0, min(int(first), T - 1))
+    chunk = logprob_chunk_size(model) if chunk_size is None else int(chunk_size)
+    name = _head_name(model) if chunk > 0 else None
+    if name is None:
+        return _full_logprobs(model, input_ids, attention_mask, temperature, first)
+    head = getattr(model, name)
+    wrapper = _ChunkedHead(head, chunk, temperature)
+    setattr(model, name, wrapper)
+    try:
+        out = None
+        if first:
+            wrapper.targets = input_ids[:, 1 + first :]
+            try:
+                out = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    use_cache=False,
+                    logits_to_keep=T - first,
+                )
+            except TypeError:  # a model without logits_to_keep: score every position
+                first = 0
+        if out is None:
+            wrapper.targets = input_ids[:, 1:]
+            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        setattr(model, name, head)
+    got = out.logits
+    if first:
+        got = torch.cat([got.new_zeros(got.shape[0], first), got], dim=1)
+    return got
+
+
+def _full_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    first: int,
+) -> torch.Tensor:
+    """``token_logprobs`` from the full logits of the scored positions."""
+    T = input_ids.shape[1]
     if first:
         try:
             out = model(

@@ -62,6 +62,8 @@ def _devices(trainer: dict[str, Any]) -> int:
 
 def plan_from_config(cfg: dict[str, Any], gpu_gb: float = 80.0) -> MemoryPlan:
     """The per-GPU memory plan of a ``salvage fit`` config (a plain dict)."""
+    from salvage.lm import DEFAULT_LOGPROB_CHUNK
+
     trainer = cfg.get("trainer") or {}
     model = cfg.get("model") or {}
     init = model.get("init_args") or {}
@@ -140,5 +142,6 @@ def plan_from_config(cfg: dict[str, Any], gpu_gb: float = 80.0) -> MemoryPlan:
         activation_checkpointing=bool(fsdp.get("activation_checkpointing")) and sharded,
         reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
         autocast_copies=precision == "bf16-mixed" and not sharded,
+        logprob_chunk=int(init.get("logprob_chunk_size", DEFAULT_LOGPROB_CHUNK)),
         notes=tuple(notes),
     )

@@ -46,6 +46,30 @@ def test_terms_by_hand():
     assert logits_bytes(S, 3, 5, False, 2) == 500
 
 
+def test_chunked_logits_by_hand():
+    # chunks of 4 positions over 3 x 5 = 15: 4 x 10 vocabulary x (2 head + 4 fp32 log-softmax
+    # + 4 its gradient) = 400 with a backward, 4 x 10 x (2 + 4) = 240 without
+    assert logits_bytes(S, 3, 5, True, 2, chunk=4) == 400
+    assert logits_bytes(S, 3, 5, False, 2, chunk=4) == 240
+    # a chunk larger than the positions holds them all: 15 x 10 x 10 = 1500
+    assert logits_bytes(S, 3, 5, True, 2, chunk=64) == 1500
+    plan = MemoryPlan(
+        models=(
+            ModelMem("policy", S, 4),
+            ModelMem("reference", S, 4, samples=False, scores_in_update=True),
+        ),
+        micro_batch=3,
+        update_len=5,
+        logprob_batch=3,
+        engine_len=5,
+        logprob_chunk=4,
+    )
+    got = estimate(plan)
+    assert got["update"]["policy logits"] == 400
+    assert got["update"]["reference scoring logits"] == 240
+    assert got["rollout"]["scoring logits"] == 240
+
+
 def test_sharded_policy_with_hf_engine_by_hand():
     plan = MemoryPlan(
         models=(ModelMem("policy", S, weight_bytes=4, sharded=True),),

@@ -27,6 +27,10 @@ NCCL buffers: keep ~10% headroom). Everything is per GPU; ``gpus`` is the FSDP2 
   log-softmax kept for the backward (``salvage.lm.token_logprobs`` upcasts one row at a time
   but keeps every row's result): ``micro-batch x length x vocab x (compute bytes + 4)``.
   Without gradients (behaviour / reference scoring) only one row's fp32 copy is alive.
+  Chunked (``logprob_chunk`` > 0, the modules' ``logprob_chunk_size``): one chunk of
+  ``min(chunk, rows x length)`` positions at a time, its head output, fp32 log-softmax and,
+  with a backward (the chunk is recomputed there), that log-softmax's gradient:
+  ``chunk x vocab x (compute bytes + 4 + 4)``, ``+ 4`` less without gradients.
 """
 
 from __future__ import annotations
@@ -106,7 +110,8 @@ class MemoryPlan:
     ``engine_batch`` x ``engine_len``: the HF engine's sequences per call and their length
     (prompt + new tokens). ``micro_batch`` x ``update_len``: sequences and tokens per
     forward/backward of the update. ``autocast_copies``: one GPU under ``bf16-mixed``.
-    ``logprob_batch``: sequences per no-grad scoring forward.
+    ``logprob_batch``: sequences per no-grad scoring forward. ``logprob_chunk``: positions
+    per LM-head chunk when scoring (0: the full logits).
     """
 
     models: tuple[ModelMem, ...]
@@ -121,6 +126,7 @@ class MemoryPlan:
     activation_checkpointing: bool = False
     reshard_after_forward: bool = True
     autocast_copies: bool = False
+    logprob_chunk: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -149,9 +155,15 @@ def activation_bytes(
     return float(tokens * shape.hidden * compute_bytes * shape.layers) + per_layer
 
 
-def logits_bytes(shape: Shape, rows: int, length: int, grad: bool, compute_bytes: int = 2) -> float:
+def logits_bytes(
+    shape: Shape, rows: int, length: int, grad: bool, compute_bytes: int = 2, chunk: int = 0
+) -> float:
     """The LM head's output over ``rows`` x ``length`` positions, and its fp32 log-softmax
-    (every row's kept for a backward; one row at a time without gradients)."""
+    (every row's kept for a backward; one row at a time without gradients). ``chunk`` > 0:
+    one chunk of positions at a time (with its log-softmax gradient in the backward)."""
+    if chunk > 0:
+        positions = min(chunk, rows * length)
+        return float(positions * shape.vocab * (compute_bytes + 4 + (4 if grad else 0)))
     head = rows * length * shape.vocab * compute_bytes
     fp32 = (rows if grad else 1) * length * shape.vocab * 4
     return float(head + fp32)
@@ -210,7 +222,14 @@ def estimate(plan: MemoryPlan) -> dict[str, dict[str, float]]:
             add(
                 update,
                 f"{m.role} logits",
-                logits_bytes(m.shape, plan.micro_batch, plan.update_len, True, plan.compute_bytes),
+                logits_bytes(
+                    m.shape,
+                    plan.micro_batch,
+                    plan.update_len,
+                    True,
+                    plan.compute_bytes,
+                    plan.logprob_chunk,
+                ),
             )
         elif m.scores_in_update:
             if m.sharded:
@@ -218,13 +237,27 @@ def estimate(plan: MemoryPlan) -> dict[str, dict[str, float]]:
             add(
                 update,
                 f"{m.role} scoring logits",
-                logits_bytes(m.shape, plan.micro_batch, plan.update_len, False, plan.compute_bytes),
+                logits_bytes(
+                    m.shape,
+                    plan.micro_batch,
+                    plan.update_len,
+                    False,
+                    plan.compute_bytes,
+                    plan.logprob_chunk,
+                ),
             )
     # rollouts also score behaviour log-probs (no gradients), one model at a time
     scorers = [m for m in plan.models if m.trainable]
     if scorers:
         worst = max(
-            logits_bytes(m.shape, plan.logprob_batch, plan.engine_len, False, plan.compute_bytes)
+            logits_bytes(
+                m.shape,
+                plan.logprob_batch,
+                plan.engine_len,
+                False,
+                plan.compute_bytes,
+                plan.logprob_chunk,
+            )
             for m in scorers
         )
         add(rollout, "scoring logits", worst)
