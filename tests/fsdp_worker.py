@@ -1,6 +1,7 @@
 """One training step of a salvage module on a fixed batch, single-process or FSDP2 (run by test_fsdp.py).
 
     python tests/fsdp_worker.py {grpo|vhgpo|graft} OUT_DIR --devices {1|2} [--strategy ddp] [--checkpoint]
+        [--logprob-chunk N] [--every-rank-loads]
 
 ``--devices 2`` trains under Lightning's ``ModelParallelStrategy`` (FSDP2, gloo on CPU):
 Lightning re-launches this script for rank 1, each rank takes its share of the global
@@ -161,8 +162,12 @@ class FixedData(L.LightningDataModule):
         return build_batch(self.kind, rank, n)
 
 
-def make_module(kind: str, fsdp: FSDPConfig | None = None) -> L.LightningModule:
+def make_module(
+    kind: str, fsdp: FSDPConfig | None = None, chunk: int | None = None
+) -> L.LightningModule:
     common = dict(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0, fsdp=fsdp or FSDPConfig())
+    if chunk is not None:
+        common["logprob_chunk_size"] = chunk
     if kind == "grpo":
         from salvage.modules.grpo import GRPOModule
 
@@ -193,6 +198,28 @@ def policies(module: L.LightningModule) -> dict[str, torch.nn.Module]:
     return {"policy": module.policy}
 
 
+def record_gathered(module: L.LightningModule, out: Path) -> None:
+    """Wrap ``module.receive`` (the real one still runs) to write, per call, the receiver and
+    which of the two policies are gathered meanwhile, to ``OUT_DIR/gathered_<rank>.json``."""
+    from salvage.distributed import is_gathered
+
+    real = module.receive
+    seen: list[dict] = []
+
+    def receive(src, dst, prompts, receiver, *a, **kw):
+        seen.append(
+            {
+                "receiver": "a" if receiver is module.a else "b",
+                "a": is_gathered(module.a.policy),
+                "b": is_gathered(module.b.policy),
+            }
+        )
+        (out / f"gathered_{world()[0]}.json").write_text(json.dumps(seen))
+        return real(src, dst, prompts, receiver, *a, **kw)
+
+    module.receive = receive
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("kind", choices=["grpo", "vhgpo", "graft"])
@@ -202,6 +229,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--reference", default="shard", choices=["shard", "offload", "replicate"])
+    ap.add_argument("--logprob-chunk", type=int, default=None)
+    ap.add_argument("--every-rank-loads", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -244,9 +273,14 @@ def main() -> None:
     module = make_module(
         args.kind,
         FSDPConfig(
-            activation_checkpointing=args.activation_checkpointing, reference=args.reference
+            activation_checkpointing=args.activation_checkpointing,
+            reference=args.reference,
+            init_on_rank0=not args.every_rank_loads,
         ),
+        args.logprob_chunk,
     )
+    if args.kind == "graft":  # which policies are gathered while each receiver scores
+        record_gathered(module, out)
     trainer.fit(module, datamodule=FixedData(args.kind))
     rank, _ = world()
     shards = {}

@@ -141,13 +141,25 @@ def test_fsdp2_step_equals_single_process_step(kind, tmp_path):
 
         # SUCC_A / SUCC_B: q0 and q2 go A -> B (B solved none), q3 goes B -> A
         assert moved(one) == moved(two) == [2, 1]
+        # the exchange gathers each receiver only while it scores (one full model at a time)
+        for rank in (0, 1):
+            calls = json.loads((two / f"gathered_{rank}.json").read_text())
+            assert calls == [
+                {"receiver": "b", "a": False, "b": True},
+                {"receiver": "a", "a": True, "b": False},
+            ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [["--activation-checkpointing"], ["--reference", "replicate"]],
-    ids=["activation-checkpointing", "replicated-reference"],
+    [
+        ["--activation-checkpointing"],
+        ["--reference", "replicate"],
+        ["--logprob-chunk", "5"],
+        ["--every-rank-loads"],
+    ],
+    ids=["activation-checkpointing", "replicated-reference", "logprob-chunks", "every-rank-loads"],
 )
 def test_fsdp2_switches_keep_the_step_equal(extra, tmp_path):
     one = _run("grpo", tmp_path / "one", 1)
@@ -216,3 +228,66 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
     assert "Restored all states" in proc.stderr + proc.stdout
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     assert meta["global_step"] == 2
+
+
+def test_fsdp2_build_reads_the_weights_on_rank_0_only(tmp_path):
+    """``GRPOModule.build(mesh)`` on 2 ranks: rank 1 never loads the real weights (it builds
+    the policy and the reference on the meta device and receives its shards from rank 0), and
+    both ranks end with the parameters, fp32 rotary buffers, trainable flags and tied LM head
+    of a model loaded normally."""
+    import socket
+
+    from salvage.models import load_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = WORKER.with_name("fsdp_init_worker.py")
+    procs = []
+    for rank in (0, 1):
+        env = dict(
+            os.environ,
+            OMP_WAIT_POLICY="PASSIVE",
+            PYTHONPATH=str(ROOT),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), str(tmp_path)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-4000:]
+    sys.path.insert(0, str(WORKER.parent))
+    from fsdp_init_worker import SPEC
+
+    ref = load_model(SPEC)
+    params = {n: p.detach() for n, p in ref.named_parameters()}
+    buffers = dict(ref.named_buffers())
+    assert buffers and all(b.dtype == torch.float32 for b in buffers.values())
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        # rank 0 reads the policy and the reference once each, rank 1 never
+        assert got["calls"]["load_model"] == (2 if rank == 0 else 0), (rank, got["calls"])
+        for key in ("policy", "ref"):
+            m = got[key]
+            assert set(m["params"]) == set(params)
+            for n, p in params.items():
+                assert m["params"][n].dtype == torch.bfloat16 and torch.equal(m["params"][n], p), n
+            assert set(m["buffers"]) == set(buffers)
+            for n, b in buffers.items():
+                assert m["buffers"][n].dtype == torch.float32 and torch.equal(m["buffers"][n], b), n
+            assert m["tied"]
+            want = {n: (key == "policy" and p.requires_grad) for n, p in ref.named_parameters()}
+            assert m["trainable"] == want
+            assert m["training"] == (key == "policy")

@@ -53,7 +53,7 @@ from salvage.distributed import (
     run_file,
     to_device,
 )
-from salvage.lm import response_logprobs, target_scores
+from salvage.lm import DEFAULT_LOGPROB_CHUNK, response_logprobs, target_scores
 from salvage.models import PolicySpec
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
@@ -120,6 +120,8 @@ class GRAFTModule(L.LightningModule):
             paper ran HACPO; e.g. 1.0 to cap it, which also caps the rising lower bound).
         seed: seed of the balancing and ordering streams.
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
+        logprob_chunk_size: positions per LM-head chunk when scoring tokens (as GRPOModule;
+            0: the full logits at once).
     """
 
     def __init__(
@@ -159,6 +161,7 @@ class GRAFTModule(L.LightningModule):
         hacpo_peer_high: float | None = None,
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
+        logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
     ) -> None:
         super().__init__()
         if balance not in BALANCE:
@@ -203,6 +206,7 @@ class GRAFTModule(L.LightningModule):
             kl_coef=kl_coef,
             max_grad_norm=max_grad_norm,
             shuffle_minibatches=False,
+            logprob_chunk_size=logprob_chunk_size,
             seed=seed,
             fsdp=fsdp,
         )
@@ -330,14 +334,14 @@ class GRAFTModule(L.LightningModule):
         # B receives from A and A from B, each from the other's own (pre-exchange) groups
         own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
         own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
-        with (
-            gathered(self.a.policy, self.b.policy),
-            stage(  # receiver likelihoods: local forwards under FSDP
-                "GRAFT exchange", total=len(tr.a_to_b) + len(tr.b_to_a), unit="group"
-            ) as bar,
-        ):
-            w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar, live_ab)
-            w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar, live_ba)
+        # receiver likelihoods: local forwards under FSDP, each receiver gathered only while
+        # it scores (one full model at a time; every rank enters both, in this order)
+        total = len(tr.a_to_b) + len(tr.b_to_a)
+        with stage("GRAFT exchange", total=total, unit="group") as bar:
+            with gathered(self.b.policy):
+                w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar, live_ab)
+            with gathered(self.a.policy):
+                w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar, live_ba)
         self._order(ra, rng)
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
