@@ -12,7 +12,8 @@ re-launches this script for rank 1). Every rank writes what the test compares:
   groups, ``metrics_<rank>.json`` = the logged metrics.
 - ``graft_eval``: ``validate`` of a GRAFT pair on two benchmarks (5 + 2 problems, so the
   distributed sampler pads rank 1 with a copy of the first problem) with a verifier that
-  accepts exactly the odd answers; ``metrics_<rank>.json`` = the logged metrics.
+  accepts exactly the odd answers; ``metrics_<rank>.json`` = the logged metrics,
+  ``gathered_<rank>.json`` = per rollout, the sampling policy and which policies are gathered.
 - ``grpo_eval``: the same validation of one GRPO policy.
 """
 
@@ -79,6 +80,28 @@ def _eval_data(out: Path, engine: Any) -> dict[str, Any]:
         val_batch_size=2,
         reward=OddAnswers(),
     )
+
+
+def record_gathered(module: Any, data: Any, out: Path) -> None:
+    """Wrap ``data.rollout`` (the real one still runs) to write, per call, which policy
+    samples and which of the two are gathered meanwhile, to ``OUT_DIR/gathered_<rank>.json``."""
+    from salvage.distributed import is_gathered
+
+    real = data.rollout
+    seen: list[dict] = []
+
+    def rollout(*a: Any, engine: Any = None, **kw: Any) -> Any:
+        seen.append(
+            {
+                "sampler": "a" if engine.model is module.a.policy else "b",
+                "a": is_gathered(module.a.policy),
+                "b": is_gathered(module.b.policy),
+            }
+        )
+        (out / f"gathered_{world()[0]}.json").write_text(json.dumps(seen))
+        return real(*a, engine=engine, **kw)
+
+    data.rollout = rollout
 
 
 def main() -> None:
@@ -152,6 +175,7 @@ def main() -> None:
             micro_batch_size=8,
         )
         data = GraftDataModule(**_eval_data(out, engine))
+        record_gathered(module, data, out)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -92,3 +92,13 @@ def test_eval_scores_are_over_all_ranks(kind, tmp_path):
         for model in ("a/", "b/") if kind == "graft_eval" else ("",):
             for key, value in expected.items():
                 assert m[f"{model}{key}"] == pytest.approx(value), (model, key, m)
+    if kind == "graft_eval":  # FSDP: each policy gathered only while it samples
+        for rank in (0, 1):
+            calls = _json(two / f"gathered_{rank}.json")
+            assert calls and len(calls) % 2 == 0, calls
+            for c in calls:
+                assert c == {
+                    "sampler": c["sampler"],
+                    "a": c["sampler"] == "a",
+                    "b": c["sampler"] == "b",
+                }

@@ -208,7 +208,7 @@ class RolloutDataModule(L.LightningDataModule):
         if isinstance(batch, RolloutBatch):
             return batch
         # only the models that generate are gathered (the reference scores in the update)
-        models = self.module.sampling_models()
+        models = self.rollout_models()
         engines = self.live_engines()
         for e in engines:  # vLLM: wake, re-sync weights (collectives: every rank, same order)
             e.prepare()
@@ -224,6 +224,12 @@ class RolloutDataModule(L.LightningDataModule):
         finally:
             for e in engines:
                 e.release()  # vLLM: give the memory back to training
+
+    def rollout_models(self) -> list[torch.nn.Module]:
+        """The models all-gathered for the whole rollout phase under FSDP: the module's
+        samplers. A datamodule that samples its models one after the other returns none
+        here and gathers each around its own rollout (one full model at a time)."""
+        return self.module.sampling_models()
 
     def live_engines(self) -> list[RolloutEngine]:
         """The engines built so far (the module's, and per-model ones of two-model runs)."""

@@ -12,8 +12,11 @@ import time
 from dataclasses import replace
 from typing import Any, cast
 
+import torch
+
 from salvage.core.seeds import PEER_OFFSET, TRAIN, step_seed
 from salvage.datamodules.rlvr import RLVRDataModule
+from salvage.distributed import gathered
 from salvage.rollout.config import build_engine
 from salvage.tasks.math import MathTask
 from salvage.types import Learner, PairedBatch, PairedLearner, RolloutEngine
@@ -38,19 +41,24 @@ class GraftDataModule(RLVRDataModule):
             )
         return eng
 
+    def rollout_models(self) -> list[torch.nn.Module]:
+        """None for the whole phase: ``_both`` gathers each policy around its own rollout."""
+        return []
+
     def _both(self, tasks: list[MathTask], n: int, seed: int, **kw: Any) -> PairedBatch:
         t0 = time.perf_counter()
         parts = {}
         for i, name in enumerate(NAMES):
             learner = self._learner(name)
-            parts[name] = self.rollout(
-                tasks,
-                n,
-                seed + PEER_OFFSET * i,
-                engine=self._engine_for(name),
-                tokenizer=learner.tokenizer,
-                **kw,
-            )
+            with gathered(learner.policy):  # FSDP: only the model that samples now
+                parts[name] = self.rollout(
+                    tasks,
+                    n,
+                    seed + PEER_OFFSET * i,
+                    engine=self._engine_for(name),
+                    tokenizer=learner.tokenizer,
+                    **kw,
+                )
         a, b = parts["a"], parts["b"]
         stats = replace(a.stats.plus(b.stats), t_start=t0)
         return PairedBatch(groups=[], temperature=a.temperature, stats=stats, a=a, b=b)
