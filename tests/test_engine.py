@@ -196,8 +196,9 @@ def test_own_decode_loop_samples_the_same_tokens_as_generate(temperature, top_p)
 
 
 def test_own_decode_loop_drops_ended_rows_from_the_batch():
-    """After the prefill, each decode forward carries only rows still running: in all,
-    one row-forward per generated token but the first of each row."""
+    """The prefill runs each distinct prompt once (4 prompts x 3 samples: 4 rows); after it,
+    each decode forward carries only rows still running: in all, one row-forward per
+    generated token but the first of each row."""
     model, tok = _early_eos_tiny()
     sizes: list[tuple[int, int]] = []
     hook = model.register_forward_pre_hook(
@@ -210,7 +211,7 @@ def test_own_decode_loop_drops_ended_rows_from_the_batch():
     finally:
         hook.remove()
     lens = [len(s.response_ids) for g in out for s in g]
-    assert sizes[0][0] == 12 and sizes[0][1] > 1  # the prefill: all rows, the whole prompt
+    assert sizes[0][0] == 4 and sizes[0][1] > 1  # the prefill: one row per prompt, whole
     steps = sizes[1:]
     assert all(w == 1 for _, w in steps)
     assert sum(b for b, _ in steps) == sum(n - 1 for n in lens) < 12 * 15

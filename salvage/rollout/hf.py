@@ -73,6 +73,22 @@ def _sampled_logprobs(
     return torch.log_softmax(lg, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of each distinct row of ``rows`` (in order of first appearance) and,
+    per row, the position of its distinct row in that list."""
+    seen: dict[tuple[int, ...], int] = {}
+    uniq: list[int] = []
+    where: list[int] = []
+    for i, r in enumerate(rows.tolist()):
+        k = tuple(r)
+        if k not in seen:
+            seen[k] = len(uniq)
+            uniq.append(i)
+        where.append(seen[k])
+    dev = rows.device
+    return torch.tensor(uniq, device=dev), torch.tensor(where, device=dev)
+
+
 @torch.no_grad()
 def decode(
     model: torch.nn.Module,
@@ -86,20 +102,24 @@ def decode(
     pad_id: int,
     generator: torch.Generator | None,
     ended: Any = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
 
-    One prefill, then one forward of the last token per step with a ``DynamicCache``. A
+    One prefill (of each distinct row once: the n samples of a prompt share it), then one
+    forward of the last token per step with a ``DynamicCache``. A
     row ends at an eos token (kept), when ``ended(row, tokens)`` says so (stop strings),
     or at ``max_new`` tokens; ended rows are dropped from the batch and the cache. Every
     step draws one multinomial over all rows (ended rows from a point mass on ``pad_id``),
     so the generator advances as in ``generate``. Returns the tokens and their behaviour
-    log-probs (``log_softmax(logits / T)`` before the nucleus) per row.
+    log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
+    given, gets ``prefill_s`` / ``decode_s`` added (seconds).
     """
     from transformers import DynamicCache
 
     lm: Any = model
     B = ids.shape[0]
+    t0 = time.perf_counter()
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
     try:
         cache = DynamicCache(config=lm.config)
@@ -107,15 +127,23 @@ def decode(
         cache = DynamicCache()
     # the cache keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
     key = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    # rows with the same prompt (the n samples of a group) share one prefill: the unique
+    # rows go through the model, their cache and logits are then copied to every row
+    rows = torch.cat([ids, mask.to(ids.dtype)], dim=1)
+    uniq, first = _unique_rows(rows)
     out = lm(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
+        input_ids=ids[uniq],
+        attention_mask=mask[uniq],
+        position_ids=pos[uniq],
         **{key: cache},
         use_cache=True,
         logits_to_keep=1,
     )
     logits = out.logits[:, -1].float()
+    if len(uniq) < B:
+        cache.batch_select_indices(first)
+        logits = logits[first]
+    t1 = time.perf_counter()
     live = torch.arange(B, device=ids.device)  # original row of each batch row
     att = mask
     last = pos[:, -1:]
@@ -161,6 +189,9 @@ def decode(
             use_cache=True,
         )
         logits = out.logits[:, -1].float()
+    if timings is not None:
+        timings["prefill_s"] = timings.get("prefill_s", 0.0) + t1 - t0
+        timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
     return toks, lps
 
 
@@ -235,6 +266,7 @@ class HFEngine:
         self.decode_loop = decode_loop
         self.calls = 0
         self.last_timings: dict[str, float] = {}
+        self._loop_timings: dict[str, float] = {}
 
     def prepare(self) -> None:
         """Nothing to do: it samples the live module itself."""
@@ -274,6 +306,7 @@ class HFEngine:
         )
 
         t0 = time.perf_counter()
+        self._loop_timings = {}
         flat = [list(p) for p in prompts for _ in range(n)]
         samples: list[Sample] = []
         check_gathered(self.model, "HFEngine.generate")
@@ -316,7 +349,11 @@ class HFEngine:
             )
             for s, lp in zip(samples, rec, strict=True):
                 s.logprobs = lp
-        self.last_timings = {"sample_s": t1 - t0, "logprob_s": time.perf_counter() - t1}
+        self.last_timings = {
+            "sample_s": t1 - t0,
+            "logprob_s": time.perf_counter() - t1,
+            **self._loop_timings,
+        }
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _decode_own(
@@ -347,6 +384,7 @@ class HFEngine:
             pad_id=self.pad_id,
             generator=gen,
             ended=ended if stop else None,
+            timings=self._loop_timings,
         )
 
     def _decode_generate(
