@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_cpu.py [--models smollm2-135m-instruct] [--batch 8] [--new-tokens 32] [--rounds 3]
 
-Sides, each called A B A B ... on the same prompts (``--batch`` sequences, one engine
-chunk) with the same seed, fp32:
+Sides, each called A B A B ... on the same prompts (``--batch`` sequences: ``--batch / --n``
+prompts x ``--n`` samples, one engine chunk) with the same seed, fp32:
 
 - ``before``: ``engine.hf_decode_loop: generate`` + ``hf_recompute_logprobs: true`` (the
   engine as it was: ``transformers`` ``generate``, then a teacher-forced log-prob pass);
@@ -54,14 +54,18 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch / n prompts)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0)
     a = ap.parse_args()
-    print(f"torch threads {torch.get_num_threads()}, batch {a.batch}, <= {a.new_tokens} new tokens")
+    print(
+        f"torch threads {torch.get_num_threads()}, batch {a.batch} ({a.batch // a.n} prompts x "
+        f"{a.n}), <= {a.new_tokens} new tokens, T = {a.temperature}"
+    )
     for name in a.models:
         model, tok = load_policy(PolicySpec(name))
         model.eval()
-        prompts = prompts_for(tok, a.batch)
+        prompts = prompts_for(tok, a.batch // a.n)
         engines = {
             side: HFEngine(
                 model,
@@ -80,7 +84,7 @@ def main() -> None:
         for r in range(a.rounds + 1):
             for side, eng in engines.items():
                 t0 = time.perf_counter()
-                out = eng.generate(prompts, n=1, seed=r)
+                out = eng.generate(prompts, n=a.n, seed=r)
                 wall = time.perf_counter() - t0
                 got = [s.response_ids for g in out for s in g]
                 if r == a.rounds:

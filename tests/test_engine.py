@@ -247,7 +247,7 @@ def test_sampler_logprobs_equal_the_recomputed_pass(loop):
         assert len(x.logprobs) == len(x.response_ids)
         assert y.logprobs == r  # the switch: the old teacher-forced pass, unchanged
         assert x.logprobs == pytest.approx(y.logprobs, abs=2e-6)
-    assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs)) > 0
+    assert any(x.logprobs != y.logprobs for x, y in zip(a, b, strict=True))  # not the same pass
 
 
 def test_engine_config_decode_switches():
@@ -262,3 +262,18 @@ def test_engine_config_decode_switches():
     assert HFEngine.from_config(EngineConfig(), model, tok).decode_loop == "own"
     with pytest.raises(ValueError, match="decode_loop"):
         HFEngine(model, tok, decode_loop="hf")
+
+
+def test_logprobs_are_recomputed_by_default_only_under_reduced_precision():
+    """Unset switch: fp32 outside autocast reads the sampler's log-probs; autocast or bf16
+    weights recompute them (the two computations round apart there)."""
+    model, tok = _early_eos_tiny()
+    eng = HFEngine(model, tok, max_new_tokens=4)
+    cpu = torch.device("cpu")
+    assert eng.recompute_logprobs is None and not eng.recomputes(cpu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert eng.recomputes(cpu)
+    assert not HFEngine(model, tok, recompute_logprobs=False).recomputes(cpu)
+    model.to(torch.bfloat16)
+    assert eng.recomputes(cpu)
+    assert not HFEngine(model, tok, recompute_logprobs=False).recomputes(cpu)

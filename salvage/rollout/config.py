@@ -31,9 +31,10 @@ class EngineConfig:
     logprob_batch_size: int = 8
     """Sequences per forward pass when recomputing behaviour log-probs (vllm, or hf with
     ``hf_recompute_logprobs``)."""
-    hf_recompute_logprobs: bool = False
+    hf_recompute_logprobs: bool | None = None
     """hf: behaviour log-probs from a separate teacher-forced pass (exact first ratio 1)
-    instead of from the sampler's own logits (default; differs by rounding only)."""
+    instead of from the sampler's own logits (fp32 rounding only); None: recompute only
+    under reduced precision (bf16 / fp16 weights or autocast)."""
     hf_decode_loop: str = "own"
     """hf: ``own`` (prefill + KV-cache steps, ended rows leave the batch) or ``generate``
     (``transformers`` ``generate``, the previous path; kept for one release)."""

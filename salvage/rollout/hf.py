@@ -15,14 +15,16 @@ caller's global RNG is untouched).
   batch (measured: identical on ``tiny`` and SmolLM2, see ``tests/test_engine.py`` and
   ``benchmarks/README.md``). ``generate``: ``transformers`` ``generate`` itself (the
   previous path, kept for one release).
-- **Log-probs** (``recompute_logprobs``). False (default): the log-prob of each sampled
-  token is read off the logits the sampler computed, ``log_softmax(logits / T)`` (T = 1
-  when greedy) before the nucleus cut, i.e. the same quantity the update computes for
-  the current policy; it differs from a teacher-forced pass only by floating-point
-  rounding (KV-cache vs full-sequence matmuls; measured in ``docs/fidelity.md``). True:
-  a separate teacher-forced forward pass of the behaviour policy on the right-padded
-  prompt + response at the sampling temperature (exactly the update's computation, so the
-  first ratio is exactly 1; the old behaviour).
+- **Log-probs** (``recompute_logprobs``). False: the log-prob of each sampled token is
+  read off the logits the sampler computed, ``log_softmax(logits / T)`` (T = 1 when
+  greedy) before the nucleus cut, i.e. the same quantity the update computes for the
+  current policy; in fp32 it differs from a teacher-forced pass only by rounding (KV-cache
+  vs full-sequence matmuls; measured in README "HF rollouts"). True: a separate
+  teacher-forced forward pass of the behaviour policy on the right-padded prompt +
+  response at the sampling temperature (exactly the update's computation, so the first
+  ratio is exactly 1; the old behaviour). None (default): False for an fp32 model outside
+  autocast, True under reduced precision (bf16 / fp16 weights or autocast), where the two
+  computations round apart by far more than in fp32.
 """
 
 from __future__ import annotations
@@ -227,7 +229,7 @@ class HFEngine:
         stop: Sequence[str] = (),
         batch_size: int = 64,
         logprob_batch_size: int = 8,
-        recompute_logprobs: bool = False,
+        recompute_logprobs: bool | None = None,
         decode_loop: str = "own",
     ) -> None:
         """Args:
@@ -240,7 +242,8 @@ class HFEngine:
         batch_size: sequences decoded together (one seeded chunk).
         logprob_batch_size: sequences per forward of the recomputed log-prob pass.
         recompute_logprobs: behaviour log-probs from a separate teacher-forced pass (exact
-            first ratio 1) instead of from the sampler's logits (default; rounding only).
+            first ratio 1) instead of from the sampler's logits (fp32 rounding only); None:
+            recompute only under reduced precision (bf16 / fp16 weights or autocast).
         decode_loop: ``own`` (prefill + KV-cache steps, ended rows dropped; default) or
             ``generate`` (``transformers`` ``generate``, the previous path).
         """
@@ -289,6 +292,14 @@ class HFEngine:
             ids.update(int(e) for e in extra)
         return ids
 
+    def recomputes(self, device: torch.device) -> bool:
+        """Whether a call recomputes the behaviour log-probs: the switch, or when unset,
+        under reduced precision (weights not fp32, or autocast on ``device``)."""
+        if self.recompute_logprobs is not None:
+            return self.recompute_logprobs
+        low = next(self.model.parameters()).dtype != torch.float32
+        return low or torch.is_autocast_enabled(device.type)
+
     @torch.no_grad()
     def generate(
         self,
@@ -311,6 +322,7 @@ class HFEngine:
         samples: list[Sample] = []
         check_gathered(self.model, "HFEngine.generate")
         device = next(self.model.parameters()).device
+        recompute = self.recomputes(device)
         was_training = self.model.training
         self.model.eval()
         bar_ctx = stage("generate", total=len(flat), unit="seq")
@@ -326,7 +338,7 @@ class HFEngine:
                     )
                 else:
                     gens, lps = self._decode_generate(
-                        ids, mask, max_new, temperature, top_p, stop, cseed
+                        ids, mask, max_new, temperature, top_p, stop, cseed, recompute
                     )
                 for prompt, gen, lp in zip(part, gens, lps, strict=True):
                     s = self._finish(prompt, gen, stop, max_new, cseed)
@@ -338,7 +350,7 @@ class HFEngine:
             self.model.train(was_training)
 
         t1 = time.perf_counter()
-        if self.recompute_logprobs:
+        if recompute:
             rec = response_logprobs(
                 self.model,
                 [s.prompt_ids for s in samples],
@@ -396,6 +408,7 @@ class HFEngine:
         top_p: float,
         stop: tuple[str, ...],
         cseed: int,
+        recompute: bool,
     ) -> tuple[list[list[int]], list[list[float]]]:
         kwargs: dict[str, Any] = dict(
             max_new_tokens=max_new,
@@ -408,7 +421,7 @@ class HFEngine:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if stop:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
-        keep_logits = not self.recompute_logprobs
+        keep_logits = not recompute
         if keep_logits:
             kwargs.update(return_dict_in_generate=True, output_logits=True)
         with torch.random.fork_rng(devices=[]):
