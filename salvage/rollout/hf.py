@@ -109,10 +109,9 @@ def decode(
     """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
 
     One prefill (of each distinct row once: the n samples of a prompt share it), then one
-    forward of the last token per step with a ``DynamicCache``. A
-    row ends at an eos token (kept), when ``ended(row, tokens)`` says so (stop strings),
-    or at ``max_new`` tokens; ended rows are dropped from the batch and the cache. Every
-    step draws one multinomial over all rows (ended rows from a point mass on ``pad_id``),
+    forward of the last token per step with a ``DynamicCache``. A row ends at an eos
+    token (kept), when ``ended(row, tokens)`` says so (stop strings), or at ``max_new``
+    tokens; ended rows are dropped from the batch and the cache. Every step draws one multinomial over all rows (ended rows from a point mass on ``pad_id``),
     so the generator advances as in ``generate``. Returns the tokens and their behaviour
     log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
     given, gets ``prefill_s`` / ``decode_s`` added (seconds).
