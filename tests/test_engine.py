@@ -149,3 +149,131 @@ def test_engines_and_policies_implement_the_protocols(tiny):
     fmt = AgentFormat()
     assert isinstance(LMPolicy(eng, tok, fmt), Policy) and not LMPolicy.needs_oracle
     assert isinstance(OraclePolicy(fmt), Policy) and OraclePolicy.needs_oracle
+
+
+def _ragged_prompts(tok):
+    """Four prompts of four different lengths (left padding of 0 to many tokens)."""
+    texts = ["hi", "What is 2 + 3?", "go north then take the coin and eat it", "Compute 7 * 8 - 8."]
+    out = []
+    for t in texts:
+        s = tok.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+        )
+        out.append(tok(s, add_special_tokens=False)["input_ids"])
+    assert len({len(p) for p in out}) == 4
+    return out
+
+
+def _early_eos_tiny():
+    """A fresh ``tiny`` whose generation config counts 60 token ids as eos: rows of an
+    untrained model then end after a few tokens, at different steps."""
+    from salvage.models import PolicySpec, load_policy
+
+    model, tok = load_policy(PolicySpec("tiny"))
+    model.generation_config.eos_token_id = [int(tok.eos_token_id), *range(4, 64)]
+    return model, tok
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.3, 0.95), (0.0, 1.0)]
+)
+def test_own_decode_loop_samples_the_same_tokens_as_generate(temperature, top_p):
+    """Same seed, same chunking: our loop (rows dropped as they end) and ``generate``
+    draw the same tokens, eos-ended rows included (RNG consumed alike)."""
+    model, tok = _early_eos_tiny()
+    prompts = _ragged_prompts(tok)
+    kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=16, batch_size=6)
+    own = HFEngine(model, tok, decode_loop="own", **kw).generate(prompts, n=3, seed=21)
+    ref = HFEngine(model, tok, decode_loop="generate", **kw).generate(prompts, n=3, seed=21)
+    flat = lambda out: [s for g in out for s in g]  # noqa: E731
+    lens = [len(s.response_ids) for s in flat(own)]
+    if temperature > 0:  # rows end early and at different steps (greedy: none ends)
+        assert min(lens) < 16 and len(set(lens)) > 2
+    for a, b in zip(flat(own), flat(ref), strict=True):
+        assert a.response_ids == b.response_ids
+        assert a.finish_reason == b.finish_reason and a.text == b.text
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_own_decode_loop_drops_ended_rows_from_the_batch():
+    """The prefill runs each distinct prompt once (4 prompts x 3 samples: 4 rows); after it,
+    each decode forward carries only rows still running: in all, one row-forward per
+    generated token but the first of each row."""
+    model, tok = _early_eos_tiny()
+    sizes: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: sizes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        out = HFEngine(model, tok, max_new_tokens=16, batch_size=12).generate(
+            _ragged_prompts(tok), n=3, seed=21
+        )
+    finally:
+        hook.remove()
+    lens = [len(s.response_ids) for g in out for s in g]
+    assert sizes[0][0] == 4 and sizes[0][1] > 1  # the prefill: one row per prompt, whole
+    steps = sizes[1:]
+    assert all(w == 1 for _, w in steps)
+    assert sum(b for b, _ in steps) == sum(n - 1 for n in lens) < 12 * 15
+    assert [b for b, _ in steps] == sorted((b for b, _ in steps), reverse=True)
+    assert len(steps) == max(lens) - 1
+
+
+@pytest.mark.parametrize("loop", ["own", "generate"])
+def test_sampler_logprobs_equal_the_recomputed_pass(loop):
+    """Default log-probs (read off the sampler's logits, left-padded KV-cache decode) equal
+    the teacher-forced recomputation within 2e-6 on ``tiny`` fp32 (measured max ~1e-6),
+    rows of four prompt lengths, T = 0.7 with a nucleus; ``recompute_logprobs=True``
+    returns the recomputed pass itself (``response_logprobs``, bit for bit)."""
+    from salvage.lm import response_logprobs
+
+    model, tok = _early_eos_tiny()
+    prompts = _ragged_prompts(tok)
+    kw = dict(temperature=0.7, top_p=0.9, max_new_tokens=20, decode_loop=loop)
+    fast = HFEngine(model, tok, **kw).generate(prompts, n=3, seed=5)
+    exact = HFEngine(model, tok, recompute_logprobs=True, **kw).generate(prompts, n=3, seed=5)
+    a = [s for g in fast for s in g]
+    b = [s for g in exact for s in g]
+    assert len({len(s.response_ids) for s in a}) > 2
+    ref = response_logprobs(
+        model,
+        [s.prompt_ids for s in b],
+        [s.response_ids for s in b],
+        int(tok.pad_token_id),
+        temperature=0.7,
+    )
+    for x, y, r in zip(a, b, ref, strict=True):
+        assert x.response_ids == y.response_ids
+        assert len(x.logprobs) == len(x.response_ids)
+        assert y.logprobs == r  # the switch: the old teacher-forced pass, unchanged
+        assert x.logprobs == pytest.approx(y.logprobs, abs=2e-6)
+    assert any(x.logprobs != y.logprobs for x, y in zip(a, b, strict=True))  # not the same pass
+
+
+def test_engine_config_decode_switches():
+    from salvage.rollout.config import EngineConfig
+
+    with pytest.raises(ValueError, match="hf_decode_loop"):
+        EngineConfig(hf_decode_loop="fast")
+    cfg = EngineConfig(hf_decode_loop="generate", hf_recompute_logprobs=True)
+    model, tok = _early_eos_tiny()
+    eng = HFEngine.from_config(cfg, model, tok)
+    assert eng.decode_loop == "generate" and eng.recompute_logprobs
+    assert HFEngine.from_config(EngineConfig(), model, tok).decode_loop == "own"
+    with pytest.raises(ValueError, match="decode_loop"):
+        HFEngine(model, tok, decode_loop="hf")
+
+
+def test_logprobs_are_recomputed_by_default_only_under_reduced_precision():
+    """Unset switch: fp32 outside autocast reads the sampler's log-probs; autocast or bf16
+    weights recompute them (the two computations round apart there)."""
+    model, tok = _early_eos_tiny()
+    eng = HFEngine(model, tok, max_new_tokens=4)
+    cpu = torch.device("cpu")
+    assert eng.recompute_logprobs is None and not eng.recomputes(cpu)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert eng.recomputes(cpu)
+    assert not HFEngine(model, tok, recompute_logprobs=False).recomputes(cpu)
+    model.to(torch.bfloat16)
+    assert eng.recomputes(cpu)
+    assert not HFEngine(model, tok, recompute_logprobs=False).recomputes(cpu)

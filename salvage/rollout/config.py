@@ -29,7 +29,15 @@ class EngineConfig:
     batch_size: int = 64
     """Sequences per ``generate`` call."""
     logprob_batch_size: int = 8
-    """Sequences per forward pass when recomputing behaviour log-probs."""
+    """Sequences per forward pass when recomputing behaviour log-probs (vllm, or hf with
+    ``hf_recompute_logprobs``)."""
+    hf_recompute_logprobs: bool | None = None
+    """hf: behaviour log-probs from a separate teacher-forced pass (exact first ratio 1)
+    instead of from the sampler's own logits (fp32 rounding only); None: recompute only
+    under reduced precision (bf16 / fp16 weights or autocast)."""
+    hf_decode_loop: str = "own"
+    """hf: ``own`` (prefill + KV-cache steps, ended rows leave the batch) or ``generate``
+    (``transformers`` ``generate``, the previous path; kept for one release)."""
     vllm_gpu_memory_utilization: float = 0.3
     """vllm: fraction of the GPU the engine may take while awake (GRAFT runs two)."""
     vllm_sleep_level: int = 1
@@ -57,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1 or self.logprob_batch_size < 1:
             raise ValueError("engine.batch_size and engine.logprob_batch_size must be >= 1")
+        if self.hf_decode_loop not in ("own", "generate"):
+            raise ValueError(
+                f"engine.hf_decode_loop must be 'own' or 'generate', got {self.hf_decode_loop!r}"
+            )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(
                 f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "

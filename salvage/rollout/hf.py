@@ -1,14 +1,35 @@
-"""Rollout engine on ``transformers.generate``: the CPU / test path.
+"""Rollout engine on the live ``transformers`` model: the CPU / test path.
 
 Batched sampling with temperature, top-p, max new tokens and stop strings; ``n`` samples
-per prompt; seeded (a forked RNG, so the caller's global RNG is untouched). The
-log-probs returned are recomputed by a teacher-forced forward pass of the behaviour
-policy on the right-padded prompt + response, at the sampling temperature — the same
-computation the update uses for the current policy, so the first ratio is exactly 1.
+per prompt; seeded per chunk of ``batch_size`` sequences (its own generator, so the
+caller's global RNG is untouched).
+
+- **Decode loop** (``decode_loop``). ``own`` (default): one prefill of the left-padded
+  prompts, then one forward of the last token per step with a KV cache; a row leaves the
+  batch (and its cache) as soon as it ends (eos, a stop string in its text, or
+  ``max_new_tokens``), so finished rows stop costing compute. Sampling processes the
+  logits as ``transformers`` ``generate`` does (``logits / T``, then the nucleus), and
+  draws every step one multinomial over all rows of the chunk (an ended row draws from a
+  point mass), so the generator is consumed exactly as ``generate`` consumes it: the same
+  seed gives the same tokens as ``generate`` up to floating-point rounding of a smaller
+  batch (measured: identical on ``tiny`` and SmolLM2, see ``tests/test_engine.py`` and
+  ``benchmarks/README.md``). ``generate``: ``transformers`` ``generate`` itself (the
+  previous path, kept for one release).
+- **Log-probs** (``recompute_logprobs``). False: the log-prob of each sampled token is
+  read off the logits the sampler computed, ``log_softmax(logits / T)`` (T = 1 when
+  greedy) before the nucleus cut, i.e. the same quantity the update computes for the
+  current policy; in fp32 it differs from a teacher-forced pass only by rounding (KV-cache
+  vs full-sequence matmuls; measured in README "HF rollouts"). True: a separate
+  teacher-forced forward pass of the behaviour policy on the right-padded prompt +
+  response at the sampling temperature (exactly the update's computation, so the first
+  ratio is exactly 1; the old behaviour). None (default): False for an fp32 model outside
+  autocast, True under reduced precision (bf16 / fp16 weights or autocast), where the two
+  computations round apart by far more than in fp32.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,13 +42,162 @@ from salvage.progress import stage
 from salvage.rollout.config import EngineConfig, call_settings
 from salvage.types import Sample
 
+DECODE_LOOPS = ("own", "generate")
+
 
 def _mix_seed(seed: int, chunk: int) -> int:
     return (seed * 1_000_003 + chunk * 7_919 + 17) % (2**63 - 1)
 
 
+def nucleus_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` (B, V) with the tokens outside each row's nucleus set to -inf.
+
+    Ascending by score, a token is cut while the probability mass up to and including it
+    is at most ``1 - top_p``; the most likely token always stays. (``generate``'s rule,
+    computed in the same order so that the same tokens survive.)
+    """
+    if top_p >= 1.0:
+        return scores
+    ordered, order = torch.sort(scores, dim=-1, descending=False)
+    mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+    cut = mass <= 1.0 - top_p
+    cut[:, -1] = False
+    drop = torch.zeros_like(cut).scatter(1, order, cut)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def _sampled_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """log_softmax(logits / T) at ``tokens`` (T = 1 when greedy): the behaviour log-prob."""
+    t = temperature if temperature > 0 else 1.0
+    lg = logits if t == 1.0 else logits / t
+    return torch.log_softmax(lg, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of each distinct row of ``rows`` (in order of first appearance) and,
+    per row, the position of its distinct row in that list."""
+    seen: dict[tuple[int, ...], int] = {}
+    uniq: list[int] = []
+    where: list[int] = []
+    for i, r in enumerate(rows.tolist()):
+        k = tuple(r)
+        if k not in seen:
+            seen[k] = len(uniq)
+            uniq.append(i)
+        where.append(seen[k])
+    dev = rows.device
+    return torch.tensor(uniq, device=dev), torch.tensor(where, device=dev)
+
+
+@torch.no_grad()
+def decode(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    max_new: int,
+    temperature: float,
+    top_p: float,
+    eos_ids: set[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+    ended: Any = None,
+    timings: dict[str, float] | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
+
+    One prefill (of each distinct row once: the n samples of a prompt share it), then one
+    forward of the last token per step with a ``DynamicCache``. A row ends at an eos
+    token (kept), when ``ended(row, tokens)`` says so (stop strings), or at ``max_new``
+    tokens; ended rows are dropped from the batch and the cache. Every step draws one multinomial over all rows (ended rows from a point mass on ``pad_id``),
+    so the generator advances as in ``generate``. Returns the tokens and their behaviour
+    log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
+    given, gets ``prefill_s`` / ``decode_s`` added (seconds).
+    """
+    from transformers import DynamicCache
+
+    lm: Any = model
+    B = ids.shape[0]
+    t0 = time.perf_counter()
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    try:
+        cache = DynamicCache(config=lm.config)
+    except TypeError:  # transformers < 4.56 takes no config
+        cache = DynamicCache()
+    # the cache keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
+    key = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    # rows with the same prompt (the n samples of a group) share one prefill: the unique
+    # rows go through the model, their cache and logits are then copied to every row
+    rows = torch.cat([ids, mask.to(ids.dtype)], dim=1)
+    uniq, first = _unique_rows(rows)
+    out = lm(
+        input_ids=ids[uniq],
+        attention_mask=mask[uniq],
+        position_ids=pos[uniq],
+        **{key: cache},
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[:, -1].float()
+    if len(uniq) < B:
+        cache.batch_select_indices(first)
+        logits = logits[first]
+    t1 = time.perf_counter()
+    live = torch.arange(B, device=ids.device)  # original row of each batch row
+    att = mask
+    last = pos[:, -1:]
+    toks: list[list[int]] = [[] for _ in range(B)]
+    lps: list[list[float]] = [[] for _ in range(B)]
+    for step in range(max_new):
+        if temperature > 0:
+            scores = nucleus_filter(logits / temperature if temperature != 1.0 else logits, top_p)
+            probs = scores.softmax(dim=-1)
+            if len(live) == B:
+                full = probs
+            else:
+                full = probs.new_zeros(B, probs.shape[-1])
+                full[:, pad_id] = 1.0
+                full[live] = probs
+            pick = torch.multinomial(full, 1, generator=generator).squeeze(1)[live]
+        else:
+            pick = logits.argmax(dim=-1)
+        lp = _sampled_logprobs(logits, pick, temperature)
+        keep: list[int] = []
+        for j, (row, t, v) in enumerate(
+            zip(live.tolist(), pick.tolist(), lp.tolist(), strict=True)
+        ):
+            toks[row].append(t)
+            lps[row].append(v)
+            if t in eos_ids or (ended is not None and ended(row, toks[row])):
+                continue
+            keep.append(j)
+        if not keep or step == max_new - 1:
+            break
+        nxt = pick[:, None]
+        att = torch.cat([att, att.new_ones(att.shape[0], 1)], dim=1)
+        last = last + 1
+        if len(keep) < len(live):
+            sel = torch.tensor(keep, device=ids.device)
+            live, nxt, att, last = live[sel], nxt[sel], att[sel], last[sel]
+            cache.batch_select_indices(sel)
+        out = lm(
+            input_ids=nxt,
+            attention_mask=att,
+            position_ids=last,
+            **{key: cache},
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()
+    if timings is not None:
+        timings["prefill_s"] = timings.get("prefill_s", 0.0) + t1 - t0
+        timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
+    return toks, lps
+
+
 class HFEngine:
-    """Samples with ``model.generate``. Holds a reference to the live policy module."""
+    """Samples the live policy module (our decode loop or ``generate``); holds a reference."""
 
     @classmethod
     def from_config(
@@ -43,6 +213,8 @@ class HFEngine:
             stop=cfg.stop,
             batch_size=cfg.batch_size,
             logprob_batch_size=cfg.logprob_batch_size,
+            recompute_logprobs=cfg.hf_recompute_logprobs,
+            decode_loop=cfg.hf_decode_loop,
         )
 
     def __init__(
@@ -56,7 +228,28 @@ class HFEngine:
         stop: Sequence[str] = (),
         batch_size: int = 64,
         logprob_batch_size: int = 8,
+        recompute_logprobs: bool | None = None,
+        decode_loop: str = "own",
     ) -> None:
+        """Args:
+        model: the live causal LM to sample (a ``transformers`` model).
+        tokenizer: its tokenizer (pad / eos ids, stop strings).
+        temperature: sampling temperature (0: greedy).
+        top_p: nucleus sampling mass (1: off).
+        max_new_tokens: cap on generated tokens per sequence.
+        stop: stop strings: a sequence ends once its text contains one (kept).
+        batch_size: sequences decoded together (one seeded chunk).
+        logprob_batch_size: sequences per forward of the recomputed log-prob pass.
+        recompute_logprobs: behaviour log-probs from a separate teacher-forced pass (exact
+            first ratio 1) instead of from the sampler's logits (fp32 rounding only); None:
+            recompute only under reduced precision (bf16 / fp16 weights or autocast).
+        decode_loop: ``own`` (prefill + KV-cache steps, ended rows dropped; default) or
+            ``generate`` (``transformers`` ``generate``, the previous path).
+        """
+        if decode_loop not in DECODE_LOOPS:
+            raise ValueError(
+                f"engine decode_loop must be one of {DECODE_LOOPS}, got {decode_loop!r}"
+            )
         if temperature < 0:
             raise ValueError(f"engine temperature must be >= 0, got {temperature}")
         if not 0 < top_p <= 1:
@@ -71,8 +264,11 @@ class HFEngine:
         self.stop = tuple(stop)
         self.batch_size = batch_size
         self.logprob_batch_size = logprob_batch_size
+        self.recompute_logprobs = recompute_logprobs
+        self.decode_loop = decode_loop
         self.calls = 0
         self.last_timings: dict[str, float] = {}
+        self._loop_timings: dict[str, float] = {}
 
     def prepare(self) -> None:
         """Nothing to do: it samples the live module itself."""
@@ -95,6 +291,14 @@ class HFEngine:
             ids.update(int(e) for e in extra)
         return ids
 
+    def recomputes(self, device: torch.device) -> bool:
+        """Whether a call recomputes the behaviour log-probs: the switch, or when unset,
+        under reduced precision (weights not fp32, or autocast on ``device``)."""
+        if self.recompute_logprobs is not None:
+            return self.recompute_logprobs
+        low = next(self.model.parameters()).dtype != torch.float32
+        return low or torch.is_autocast_enabled(device.type)
+
     @torch.no_grad()
     def generate(
         self,
@@ -112,10 +316,12 @@ class HFEngine:
         )
 
         t0 = time.perf_counter()
+        self._loop_timings = {}
         flat = [list(p) for p in prompts for _ in range(n)]
         samples: list[Sample] = []
         check_gathered(self.model, "HFEngine.generate")
         device = next(self.model.parameters()).device
+        recompute = self.recomputes(device)
         was_training = self.model.training
         self.model.eval()
         bar_ctx = stage("generate", total=len(flat), unit="seq")
@@ -125,42 +331,111 @@ class HFEngine:
                 part = flat[start : start + self.batch_size]
                 cseed = _mix_seed(seed, chunk)
                 ids, mask = pad_left(part, self.pad_id, device)
-                kwargs: dict[str, Any] = dict(
-                    max_new_tokens=max_new,
-                    pad_token_id=self.pad_id,
-                    eos_token_id=sorted(self.eos_ids),
-                )
-                if temperature > 0:
-                    kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+                if self.decode_loop == "own":
+                    gens, lps = self._decode_own(
+                        ids, mask, max_new, temperature, top_p, stop, cseed
+                    )
                 else:
-                    kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-                if stop:
-                    kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(cseed)
-                    lm: Any = self.model  # a transformers causal LM (``generate``)
-                    out = lm.generate(input_ids=ids, attention_mask=mask, **kwargs)
-                new = out[:, ids.shape[1] :].tolist()
-                for prompt, gen in zip(part, new, strict=True):
-                    samples.append(self._finish(prompt, gen, stop, max_new, cseed))
+                    gens, lps = self._decode_generate(
+                        ids, mask, max_new, temperature, top_p, stop, cseed, recompute
+                    )
+                for prompt, gen, lp in zip(part, gens, lps, strict=True):
+                    s = self._finish(prompt, gen, stop, max_new, cseed)
+                    s.logprobs = lp[: len(s.response_ids)]
+                    samples.append(s)
                 bar.advance(len(part))
         finally:
             bar_ctx.__exit__(None, None, None)
             self.model.train(was_training)
 
         t1 = time.perf_counter()
-        lps = response_logprobs(
-            self.model,
-            [s.prompt_ids for s in samples],
-            [s.response_ids for s in samples],
-            self.pad_id,
-            temperature=temperature if temperature > 0 else 1.0,
-            batch_size=self.logprob_batch_size,
-        )
-        for s, lp in zip(samples, lps, strict=True):
-            s.logprobs = lp
-        self.last_timings = {"sample_s": t1 - t0, "logprob_s": time.perf_counter() - t1}
+        if recompute:
+            rec = response_logprobs(
+                self.model,
+                [s.prompt_ids for s in samples],
+                [s.response_ids for s in samples],
+                self.pad_id,
+                temperature=temperature if temperature > 0 else 1.0,
+                batch_size=self.logprob_batch_size,
+            )
+            for s, lp in zip(samples, rec, strict=True):
+                s.logprobs = lp
+        self.last_timings = {
+            "sample_s": t1 - t0,
+            "logprob_s": time.perf_counter() - t1,
+            **self._loop_timings,
+        }
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _decode_own(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new: int,
+        temperature: float,
+        top_p: float,
+        stop: tuple[str, ...],
+        cseed: int,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        gen = torch.Generator(device=ids.device)
+        gen.manual_seed(cseed)
+
+        def ended(row: int, toks: list[int]) -> bool:
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            return any(s in text for s in stop)
+
+        return decode(
+            self.model,
+            ids,
+            mask,
+            max_new=max_new,
+            temperature=temperature,
+            top_p=top_p,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            generator=gen,
+            ended=ended if stop else None,
+            timings=self._loop_timings,
+        )
+
+    def _decode_generate(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        max_new: int,
+        temperature: float,
+        top_p: float,
+        stop: tuple[str, ...],
+        cseed: int,
+        recompute: bool,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+        )
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if stop:
+            kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
+        keep_logits = not recompute
+        if keep_logits:
+            kwargs.update(return_dict_in_generate=True, output_logits=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cseed)
+            lm: Any = self.model  # a transformers causal LM (``generate``)
+            out = lm.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        seqs = out.sequences if keep_logits else out
+        new = seqs[:, ids.shape[1] :]
+        if not keep_logits:
+            return new.tolist(), [[] for _ in range(new.shape[0])]
+        cols = [
+            _sampled_logprobs(lg.float(), new[:, t], temperature) for t, lg in enumerate(out.logits)
+        ]
+        lp = torch.stack(cols, dim=1) if cols else new.new_zeros(new.shape[0], 0).float()
+        return new.tolist(), lp.tolist()
 
     def _finish(
         self, prompt: list[int], gen: list[int], stop: tuple[str, ...], max_new: int, seed: int
