@@ -12,7 +12,8 @@ Layout of a rollout batch::
           reward, success        trajectory level (training reward vs. success metric)
           advantage              filled by the advantage estimator (core/grpo.py)
 
-Every response token of every turn of a trajectory carries that trajectory's advantage.
+Every response token of every turn of a trajectory carries that trajectory's advantage,
+or the turn's own ``Turn.advantage`` where one was set (GiGPO).
 
 What passes between the stages is typed here, never a free-form dict: the rollout stage
 fills ``RolloutBatch.stats`` (``RolloutStats``); a rescue callback attaches
@@ -62,6 +63,9 @@ class Turn:
     finish_reason: str = "stop"
     train: bool = True
     """False for turns whose tokens must not enter the policy loss (e.g. a teacher's)."""
+    advantage: float | None = None
+    """A per-turn advantage (GiGPO's step-level one, ``salvage.core.gigpo``); None: the
+    trajectory's ``advantage``."""
 
     @property
     def num_response_tokens(self) -> int:

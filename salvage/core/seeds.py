@@ -29,6 +29,8 @@ GRAFT_EXCHANGE = 21
 """GRAFT: balancing, random selection, random admission and minibatch order."""
 STORED_ADMISSION = 31
 """GRAFT stored mode: random admission of the stored peer's responses."""
+DYNAMIC_SAMPLING = 41
+"""DAPO-style dynamic sampling: the fresh tasks and rollouts of its extra rounds."""
 
 PEER_OFFSET = 7_919
 """GRAFT: policy B samples with its step seed plus this (A with the seed itself)."""

@@ -22,6 +22,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from salvage.core.agent import AgentFormat
+from salvage.core.gigpo import GiGPOConfig, discounted_returns, gigpo_advantages, state_key
+from salvage.core.gigpo import turn_rewards as gigpo_turn_rewards
 from salvage.core.seeds import EVAL, TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
 from salvage.envs import env_class
@@ -91,6 +93,11 @@ class AgentDataModule(RolloutDataModule):
         adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
         max_prompt_tokens: longer prompts keep their last tokens.
         seed: seed of task order and of every sampling stream.
+        gigpo: GiGPO step-level advantages (``salvage.core.gigpo``, docs/baselines.md): each
+            turn's advantage is its episode's plus ``omega`` x its anchor-state step group's
+            relative discounted return; logs ``gigpo/step_group_size`` (mean) and
+            ``gigpo/repeated_turn_frac`` (turns in a step group of two or more). None
+            (default): off, every turn carries its trajectory's advantage.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class AgentDataModule(RolloutDataModule):
         adv_tol: float = 1e-6,
         max_prompt_tokens: int = 2048,
         seed: int = 0,
+        gigpo: GiGPOConfig | None = None,
     ) -> None:
         super().__init__(
             tasks_per_step,
@@ -131,6 +139,41 @@ class AgentDataModule(RolloutDataModule):
         self.pool: EnvPool | None = None
         self.runner: AgentRunner | None = None
         self.env_errors_total = 0
+        self.gigpo = gigpo
+        self._step_groups: list[int] = []  # GiGPO step-group sizes of the current rollout
+
+    def assign_group_advantages(self, group: Group) -> None:
+        """Each trajectory's advantage and the group's zero-signal flag (SPEC §1); with
+        ``gigpo``, also each turn's (GiGPO: episode advantage + omega x step advantage).
+        The zero-signal flag stays the episode-level one."""
+        super().assign_group_advantages(group)
+        if self.gigpo is None:
+            return
+        # own episodes from the initial state only (a relay's or a peer's have no step group)
+        trajs = [
+            t
+            for t in group.trajectories
+            if t.episode is not None
+            and t.episode.start_depth == 0
+            and len(t.episode.observations) >= len(t.turns)
+        ]
+        states = [
+            [state_key(t.episode.observations[k]) for k in range(len(t.turns))] for t in trajs
+        ]
+        returns = [
+            discounted_returns(
+                gigpo_turn_rewards(
+                    t.reward, [not turn.valid for turn in t.turns], self.fmt.invalid_penalty
+                ),
+                self.gigpo.gamma,
+            )
+            for t in trajs
+        ]
+        adv, sizes = gigpo_advantages([t.advantage for t in trajs], states, returns, self.gigpo)
+        self._step_groups.extend(sizes)
+        for t, row in zip(trajs, adv, strict=True):
+            for turn, a in zip(t.turns, row, strict=True):
+                turn.advantage = a
 
     # ------------------------------------------------------------------ set-up
     def load_split(self, split: str) -> list[dict[str, Any]] | None:
@@ -193,7 +236,18 @@ class AgentDataModule(RolloutDataModule):
     # ------------------------------------------------------------------ rollouts
     def train_rollout(self, tasks: list[dict[str, Any]]) -> RolloutBatch:
         seed = step_seed(self.seed, self.trainer.global_step, TRAIN)
-        return self.rollout(tasks, self.group_size, seed, self.student())
+        self._step_groups = []
+        batch = self.rollout(tasks, self.group_size, seed, self.student())
+        record = getattr(self.module, "record_later", None)
+        if self.gigpo is not None and self._step_groups and record is not None:
+            sizes = self._step_groups  # the paper's "average size of step-level groups"
+            record(
+                {
+                    "gigpo/step_group_size": sum(sizes) / len(sizes),
+                    "gigpo/repeated_turn_frac": sum(n for n in sizes if n > 1) / sum(sizes),
+                }
+            )
+        return batch
 
     def eval_rollout(self, tasks: list[dict[str, Any]], split: str) -> RolloutBatch:
         policy = self.student()

@@ -390,7 +390,7 @@ class GRPOModule(L.LightningModule):
                         ids=list(turn.prompt_ids) + list(turn.response_ids),
                         start=len(turn.prompt_ids) - 1,
                         old_logprobs=list(turn.logprobs),
-                        advantage=traj.advantage,
+                        advantage=traj.advantage if turn.advantage is None else turn.advantage,
                         weight=traj.weight,
                         seq=seq,
                         peer=traj.source != "self",
