@@ -22,7 +22,8 @@ NAMES = ("a", "b")
 
 
 class GraftDataModule(RLVRDataModule):
-    """RLVRDataModule for two policies (same arguments; see there)."""
+    """RLVRDataModule for two (or, with ``PeerGroupModule``, N) policies (same arguments;
+    see there)."""
 
     def _learner(self, name: str) -> Learner:
         return cast(PairedLearner, self.trainer.lightning_module).learner(name)
@@ -38,10 +39,14 @@ class GraftDataModule(RLVRDataModule):
             )
         return eng
 
+    def _names(self) -> tuple[str, ...]:
+        """The module's models in order (GRAFT: a, b; PeerGroupModule: a, b, c, ...)."""
+        return tuple(getattr(self.trainer.lightning_module, "names", NAMES))
+
     def _both(self, tasks: list[MathTask], n: int, seed: int, **kw: Any) -> PairedBatch:
         t0 = time.perf_counter()
         parts = {}
-        for i, name in enumerate(NAMES):
+        for i, name in enumerate(self._names()):
             learner = self._learner(name)
             parts[name] = self.rollout(
                 tasks,
@@ -51,9 +56,13 @@ class GraftDataModule(RLVRDataModule):
                 tokenizer=learner.tokenizer,
                 **kw,
             )
-        a, b = parts["a"], parts["b"]
-        stats = replace(a.stats.plus(b.stats), t_start=t0)
-        return PairedBatch(groups=[], temperature=a.temperature, stats=stats, a=a, b=b)
+        a, b, *more = parts.values()
+        stats = a.stats
+        for p in [b, *more]:
+            stats = stats.plus(p.stats)
+        stats = replace(stats, t_start=t0)
+        extra = {k: v for k, v in parts.items() if k not in ("a", "b")}
+        return PairedBatch(groups=[], temperature=a.temperature, stats=stats, a=a, b=b, more=extra)
 
     def train_rollout(self, tasks: list[MathTask]) -> PairedBatch:
         return self._both(

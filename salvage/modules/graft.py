@@ -57,7 +57,10 @@ from salvage.lm import response_logprobs, target_scores
 from salvage.models import PolicySpec
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
-from salvage.types import PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
+from salvage.types import Group, PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
+
+NAMES = tuple("abcdefghijklmnopqrstuvwxyz")
+"""Model names in order: GRAFT's two are ``a`` and ``b``; further peers ``c``, ``d``, ..."""
 
 
 class GRAFTModule(L.LightningModule):
@@ -193,7 +196,7 @@ class GRAFTModule(L.LightningModule):
                 "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
             )
         self.automatic_optimization = False
-        common: dict[str, Any] = dict(
+        self._common: dict[str, Any] = dict(
             weight_decay=weight_decay,
             num_minibatches=num_minibatches,
             micro_batch_size=micro_batch_size,
@@ -206,9 +209,11 @@ class GRAFTModule(L.LightningModule):
             seed=seed,
             fsdp=fsdp,
         )
-        self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **common)
+        self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **self._common)
         self.b = GRPOModule(
-            policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1), lr=lr_b or lr, **common
+            policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1),
+            lr=lr_b or lr,
+            **self._common,
         )
         self.save_hyperparameters(ignore=["policy_a", "policy_b", "fsdp"])
         self.hparams["fsdp"] = self.a.hparams["fsdp"]
@@ -222,8 +227,20 @@ class GRAFTModule(L.LightningModule):
         """The saved hyper-parameters (attribute access)."""
         return cast(AttributeDict, super().hparams)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The models' names, in model order."""
+        return NAMES[:2]
+
     def learner(self, name: str) -> GRPOModule:
-        return {"a": self.a, "b": self.b}[name]
+        """The model ``name`` (one of ``names``)."""
+        if name not in self.names:
+            raise KeyError(f"no model {name!r} in this module (models: {', '.join(self.names)})")
+        return cast(GRPOModule, getattr(self, name))
+
+    def learners(self) -> list[GRPOModule]:
+        """Every model, in order."""
+        return [self.learner(n) for n in self.names]
 
     @property
     def tokenizer(self) -> Any:  # the datamodule's default (A's); GRAFT passes each explicitly
@@ -235,23 +252,23 @@ class GRAFTModule(L.LightningModule):
 
     def configure_model(self) -> None:
         mesh = self.a.mesh_of(self.device_mesh)
-        for child in (self.a, self.b):  # both policies sharded on the strategy's one mesh
+        for child in self.learners():  # every policy sharded on the strategy's one mesh
             child.build(mesh)
 
     def inference_models(self) -> list[torch.nn.Module]:
-        return self.a.inference_models() + self.b.inference_models()
+        return [m for lr in self.learners() for m in lr.inference_models()]
 
     def sampling_models(self) -> list[torch.nn.Module]:
-        return self.a.sampling_models() + self.b.sampling_models()
+        return [m for lr in self.learners() for m in lr.sampling_models()]
 
     def configure_optimizers(self) -> Any:
-        return [self.a.configure_optimizers(), self.b.configure_optimizers()]
+        return [lr.configure_optimizers() for lr in self.learners()]
 
     def on_fit_start(self) -> None:
         self._records = run_file(
             self.trainer, "exchange"
         )  # on every rank (log_dir is a collective)
-        for lr in (self.a, self.b):
+        for lr in self.learners():
             lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
             if lr.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
                 to_device(lr.ref_model, self.device)
@@ -460,7 +477,9 @@ class GRAFTModule(L.LightningModule):
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
         # per model, one record per evaluated problem: (repeat, benchmark, task, successes, samples)
-        self._eval_acc: dict[str, list[tuple[int, str, str, float, float]]] = {"a": [], "b": []}
+        self._eval_acc: dict[str, list[tuple[int, str, str, float, float]]] = {
+            n: [] for n in self.names
+        }
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -488,7 +507,7 @@ class GRAFTModule(L.LightningModule):
         """Per model, pass@1 per benchmark and the aggregate over the problems of all ranks
         (every rank logs the same global numbers: checkpoint selection and CheckpointCost
         see the whole evaluation, not one rank's share)."""
-        for name in ("a", "b"):
+        for name in self.names:
             mine = getattr(self, "_eval_acc", {}).get(name, [])
             acc = merge_eval_records(gather_objects(mine))  # a collective: every rank
             if not acc:
@@ -560,42 +579,14 @@ def transplant(
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
     if dst.own_groups is None:
         dst.own_groups = list(dst.groups)
-    tok = receiver.tokenizer
     # HACPO: each model's capability = its success rate on this batch (before any exchange)
     cap_src = sum(t.success for t in src.trajectories) / max(1, len(src.trajectories))
     cap_recv = sum(t.success for t in dst.trajectories) / max(1, len(dst.trajectories))
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
-        prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
-        peers = peer_responses(sg, rules)
+        peers, turns = peer_turns(sg, dg, receiver, rules, dst.temperature)
         if not peers:
             continue
-        resp = []
-        for t in peers:
-            turn = t.turns[0]
-            ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
-            if (
-                turn.finish_reason == "stop" and tok.eos_token_id is not None
-            ):  # it ended, not truncated
-                ids.append(int(tok.eos_token_id))
-            resp.append(ids or [int(tok.eos_token_id)])
-        old = response_logprobs(
-            receiver.live_policy,
-            [prompt] * len(resp),
-            resp,
-            int(tok.pad_token_id),
-            temperature=dst.temperature,
-            batch_size=receiver.hparams.micro_batch_size,
-        )
-        turns = [
-            Turn(
-                prompt_ids=prompt,
-                response_ids=ids,
-                logprobs=lp,
-                response_text=t.turns[0].response_text,
-            )
-            for t, ids, lp in zip(peers, resp, old, strict=True)
-        ]
         group = receive_group(
             dg,
             peers,
@@ -614,3 +605,38 @@ def transplant(
         for t, w in zip(peer_trajs, random_admission(scores, rules.delta, rng), strict=True):
             t.weight = w
     return [t.weight for t in peer_trajs]
+
+
+def peer_turns(
+    source: Group, own: Group, receiver: GRPOModule, rules: ExchangeRules, temperature: float
+) -> tuple[list[Trajectory], list[Turn]]:
+    """The source's travelling responses on one prompt and, for each, the receiver's turn:
+    its own prompt format, the response re-tokenised by its tokenizer (EOS appended when the
+    response ended rather than being truncated) and its pi_old log-probs at ``temperature``."""
+    prompt = list(own.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
+    peers = peer_responses(source, rules)
+    if not peers:
+        return [], []
+    tok = receiver.tokenizer
+    resp = []
+    for t in peers:
+        turn = t.turns[0]
+        ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
+        if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # ended, not truncated
+            ids.append(int(tok.eos_token_id))
+        resp.append(ids or [int(tok.eos_token_id)])
+    old = response_logprobs(
+        receiver.live_policy,
+        [prompt] * len(resp),
+        resp,
+        int(tok.pad_token_id),
+        temperature=temperature,
+        batch_size=receiver.hparams.micro_batch_size,
+    )
+    turns = [
+        Turn(
+            prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text
+        )
+        for t, ids, lp in zip(peers, resp, old, strict=True)
+    ]
+    return peers, turns
