@@ -16,32 +16,61 @@ from salvage.core.seeds import PEER_OFFSET, TRAIN, step_seed
 from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.rollout.config import build_engine
 from salvage.tasks.math import MathTask
-from salvage.types import Learner, PairedBatch, PairedLearner, RolloutEngine
+from salvage.types import Learner, PairedBatch, PairedLearner, RolloutBatch, RolloutEngine
 
 NAMES = ("a", "b")
 
 
-class GraftDataModule(RLVRDataModule):
-    """RLVRDataModule for two (or, with ``PeerGroupModule``, N) policies (same arguments;
-    see there)."""
+class PerModelRollouts:
+    """Shared by the multi-model datamodules: each model of the module (``names``) by name,
+    its own engine on its own policy and tokenizer, and the per-model batches as one
+    ``PairedBatch``."""
 
-    def _learner(self, name: str) -> Learner:
-        return cast(PairedLearner, self.trainer.lightning_module).learner(name)
-
-    def _engine_for(self, name: str) -> RolloutEngine:
-        learner = self._learner(name)
-        if learner.policy is None:
-            raise RuntimeError(f"policy {name} is not loaded (configure_model has not run)")
-        eng = self._engines.get(name)
-        if eng is None or eng.model is not learner.policy:
-            eng = self._engines[name] = build_engine(
-                self.engine_cfg, learner.policy, learner.tokenizer
-            )
-        return eng
+    trainer: Any
+    engine_cfg: Any
+    _engines: dict[str, RolloutEngine]
 
     def _names(self) -> tuple[str, ...]:
         """The module's models in order (GRAFT: a, b; PeerGroupModule: a, b, c, ...)."""
         return tuple(getattr(self.trainer.lightning_module, "names", NAMES))
+
+    def _learner(self, name: str) -> Learner:
+        return cast(PairedLearner, self.trainer.lightning_module).learner(name)
+
+    def _engine_for(self, name: str, cfg: Any = None, key: str | None = None) -> RolloutEngine:
+        """Model ``name``'s engine (``cfg``: other sampling settings, cached under ``key``)."""
+        learner = self._learner(name)
+        if learner.policy is None:
+            raise RuntimeError(f"policy {name} is not loaded (configure_model has not run)")
+        key = key or name
+        eng = self._engines.get(key)
+        if eng is None or eng.model is not learner.policy:
+            eng = self._engines[key] = build_engine(
+                cfg or self.engine_cfg, learner.policy, learner.tokenizer
+            )
+        return eng
+
+    @staticmethod
+    def _paired(parts: dict[str, RolloutBatch], t0: float) -> PairedBatch:
+        """One batch of the per-model batches (stats summed, the clock from ``t0``)."""
+        a, b, *more = parts.values()
+        stats = a.stats
+        for p in [b, *more]:
+            stats = stats.plus(p.stats)
+        extra = {k: v for k, v in parts.items() if k not in ("a", "b")}
+        return PairedBatch(
+            groups=[],
+            temperature=a.temperature,
+            stats=replace(stats, t_start=t0),
+            a=a,
+            b=b,
+            more=extra,
+        )
+
+
+class GraftDataModule(PerModelRollouts, RLVRDataModule):
+    """RLVRDataModule for two (or, with ``PeerGroupModule``, N) policies (same arguments;
+    see there)."""
 
     def _both(self, tasks: list[MathTask], n: int, seed: int, **kw: Any) -> PairedBatch:
         t0 = time.perf_counter()
@@ -56,13 +85,7 @@ class GraftDataModule(RLVRDataModule):
                 tokenizer=learner.tokenizer,
                 **kw,
             )
-        a, b, *more = parts.values()
-        stats = a.stats
-        for p in [b, *more]:
-            stats = stats.plus(p.stats)
-        stats = replace(stats, t_start=t0)
-        extra = {k: v for k, v in parts.items() if k not in ("a", "b")}
-        return PairedBatch(groups=[], temperature=a.temperature, stats=stats, a=a, b=b, more=extra)
+        return self._paired(parts, t0)
 
     def train_rollout(self, tasks: list[MathTask]) -> PairedBatch:
         return self._both(

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -299,7 +299,18 @@ class GRAFTModule(L.LightningModule):
             bar,
             step=self.global_step,
             live=live,
+            encode=self.encoder(receiver),
         )
+
+    def encoder(self, receiver: GRPOModule) -> Callable[[str], list[int]] | None:
+        """Agent runs: the receiver's prompt encoder, from the datamodule (None: single-turn
+        tasks, where a peer response goes on the receiver's own prompt of the task)."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        make = getattr(dm, "encoder", None)
+        if make is None:
+            return None
+        name = next(n for n in self.names if self.learner(n) is receiver)
+        return cast(Callable[[str], list[int]], make(name))
 
     @property
     def rules(self) -> ExchangeRules:
@@ -565,14 +576,15 @@ def transplant(
     *,
     step: int = 0,
     live: list[int] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
     The shell of the exchange: the receiver's tokenizer re-tokenises each peer response and
     its policy scores it (pi_old log-probs); ``core.exchange.receive_group`` does the rest.
     ``step``: the update index (HACPO's rising peer bound); ``live``: HACPO restricted to
-    GRAFT's selection, the prompts whose peer responses keep their advantage (None: all).
-    Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
+    GRAFT's selection, the prompts whose peer responses keep their advantage (None: all);
+    ``encode``: agents, the receiver's prompt encoder (``peer_turns``). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
     responses' weights.
     """
     peer_trajs: list[Trajectory] = []
@@ -584,7 +596,7 @@ def transplant(
     cap_recv = sum(t.success for t in dst.trajectories) / max(1, len(dst.trajectories))
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
-        peers, turns = peer_turns(sg, dg, receiver, rules, dst.temperature)
+        peers, turns = peer_turns(sg, dg, receiver, rules, dst.temperature, encode)
         if not peers:
             continue
         group = receive_group(
@@ -608,35 +620,68 @@ def transplant(
 
 
 def peer_turns(
-    source: Group, own: Group, receiver: GRPOModule, rules: ExchangeRules, temperature: float
-) -> tuple[list[Trajectory], list[Turn]]:
-    """The source's travelling responses on one prompt and, for each, the receiver's turn:
-    its own prompt format, the response re-tokenised by its tokenizer (EOS appended when the
-    response ended rather than being truncated) and its pi_old log-probs at ``temperature``."""
-    prompt = list(own.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
+    source: Group,
+    own: Group,
+    receiver: GRPOModule,
+    rules: ExchangeRules,
+    temperature: float,
+    encode: Callable[[str], list[int]] | None = None,
+) -> tuple[list[Trajectory], list[list[Turn]]]:
+    """The source's travelling responses on one prompt and, for each, its turns as the
+    receiver sees them: the receiver's prompt, the response re-tokenised by the receiver's
+    tokenizer (EOS appended when the response ended rather than being truncated) and its
+    pi_old log-probs at ``temperature``.
+
+    Single-turn tasks (``encode`` None): one turn on the receiver's own prompt of the task.
+    Agents: every trainable turn of the peer's episode, its prompt text (the task, the
+    recorded observations and actions) re-rendered by ``encode``, the receiver's prompt
+    encoder (chat template and tokenizer).
+    """
     peers = peer_responses(source, rules)
     if not peers:
         return [], []
     tok = receiver.tokenizer
-    resp = []
+    own_prompt = list(own.trajectories[0].turns[0].prompt_ids)  # the receiver's own format
+    prompts, resp, shape = [], [], []
     for t in peers:
-        turn = t.turns[0]
-        ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
-        if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # ended, not truncated
-            ids.append(int(tok.eos_token_id))
-        resp.append(ids or [int(tok.eos_token_id)])
+        turns = [x for x in t.turns if x.train] if encode is not None else t.turns[:1]
+        shape.append(len(turns))
+        for turn in turns:
+            ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
+            if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # ended
+                ids.append(int(tok.eos_token_id))
+            resp.append(ids or [int(tok.eos_token_id)])
+            prompts.append(encode(turn.prompt_text) if encode is not None else own_prompt)
     old = response_logprobs(
         receiver.live_policy,
-        [prompt] * len(resp),
+        prompts,
         resp,
         int(tok.pad_token_id),
         temperature=temperature,
         batch_size=receiver.hparams.micro_batch_size,
     )
-    turns = [
-        Turn(
-            prompt_ids=prompt, response_ids=ids, logprobs=lp, response_text=t.turns[0].response_text
+    out: list[list[Turn]] = []
+    k = 0
+    for t, n in zip(peers, shape, strict=True):
+        src = [x for x in t.turns if x.train] if encode is not None else t.turns[:1]
+        out.append(
+            [
+                replace(
+                    turn,
+                    prompt_ids=prompts[k + i],
+                    response_ids=resp[k + i],
+                    logprobs=old[k + i],
+                    train=True,
+                )
+                if encode is not None
+                else Turn(
+                    prompt_ids=prompts[k + i],
+                    response_ids=resp[k + i],
+                    logprobs=old[k + i],
+                    response_text=turn.response_text,
+                )
+                for i, turn in enumerate(src)
+            ]
         )
-        for t, ids, lp in zip(peers, resp, old, strict=True)
-    ]
-    return peers, turns
+        k += n
+    return peers, out

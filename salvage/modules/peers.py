@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Any, cast
 
-from salvage.core.exchange import weight_metrics
+from salvage.core.exchange import episode_logprobs, weight_metrics
 from salvage.core.graft import compatibility, mean_logprob
 from salvage.core.peers import (
     SOURCE_RULES,
@@ -115,12 +115,19 @@ class PeerGroupModule(GRAFTModule):
     def _compat(self, src: RolloutBatch, dst: RolloutBatch, q: int, receiver: GRPOModule) -> float:
         """The source-choice score of ``src``'s group on prompt ``q`` for ``receiver``."""
         peers, turns = peer_turns(
-            src.groups[q], dst.groups[q], receiver, self.rules, dst.temperature
+            src.groups[q],
+            dst.groups[q],
+            receiver,
+            self.rules,
+            dst.temperature,
+            self.encoder(receiver),
         )
         return capped_mean_compat(
             [
-                compatibility(mean_logprob(turn.logprobs), mean_logprob(t.turns[0].logprobs))
-                for t, turn in zip(peers, turns, strict=True)
+                compatibility(
+                    mean_logprob(episode_logprobs(ep)), mean_logprob(episode_logprobs(t.turns))
+                )
+                for t, ep in zip(peers, turns, strict=True)
             ]
         )
 
