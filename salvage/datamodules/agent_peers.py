@@ -65,19 +65,22 @@ class AgentPeersDataModule(PerModelRollouts, AgentDataModule):
             None, self._learner(name).tokenizer, self.fmt, self.max_prompt_tokens
         ).encode
 
+    def student_policy(self, name: str) -> LMPolicy:
+        """Model ``name`` as an agent policy: its training engine, tokenizer and prompts
+        (its own rollouts; a peer's handoff teacher in ``PeerHandoff``)."""
+        learner = self._learner(name)
+        return LMPolicy(self._engine_for(name), learner.tokenizer, self.fmt, self.max_prompt_tokens)
+
     def _per_model(
         self, tasks: list[dict[str, Any]], n: int, seed: int, train: bool
     ) -> PairedBatch:
         t0 = time.perf_counter()
         parts: dict[str, RolloutBatch] = {}
         for i, name in enumerate(self._names()):
-            learner = self._learner(name)
-            if train:
-                engine = self._engine_for(name)
-            else:  # evaluation episodes at the validation temperature
+            policy = self.student_policy(name)
+            if not train:  # evaluation episodes at the validation temperature
                 cfg = replace(self.engine_cfg, temperature=self.val_temperature)
-                engine = self._engine_for(name, cfg, key=f"{name}/eval")
-            policy = LMPolicy(engine, learner.tokenizer, self.fmt, self.max_prompt_tokens)
+                policy.engine = self._engine_for(name, cfg, key=f"{name}/eval")
             parts[name] = self.rollout(tasks, n, seed + PEER_OFFSET * i, policy, advantages=train)
         return self._paired(_aligned(parts), t0)
 
