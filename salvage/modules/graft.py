@@ -121,6 +121,10 @@ class GRAFTModule(L.LightningModule):
         hacpo_peer_ramp: HACPO: the lower bound's rise per step (0.025; not capped).
         hacpo_peer_high: an upper bound on HACPO's peer ratio (None: none, as the GRAFT
             paper ran HACPO; e.g. 1.0 to cap it, which also caps the rising lower bound).
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay after ``warmup_steps``, both
+            policies (as GRPOModule).
+        warmup_steps: RL updates of linear learning-rate warm-up from 0, both policies.
+        min_lr_ratio: the decayed learning rate's floor, as a fraction of each policy's lr.
         seed: seed of the balancing and ordering streams.
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
     """
@@ -160,6 +164,9 @@ class GRAFTModule(L.LightningModule):
         hacpo_peer_low: float = 0.8,
         hacpo_peer_ramp: float = 0.025,
         hacpo_peer_high: float | None = None,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.0,
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
     ) -> None:
@@ -206,6 +213,9 @@ class GRAFTModule(L.LightningModule):
             kl_coef=kl_coef,
             max_grad_norm=max_grad_norm,
             shuffle_minibatches=False,
+            lr_schedule=lr_schedule,
+            warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio,
             seed=seed,
             fsdp=fsdp,
         )
