@@ -110,14 +110,15 @@ def export(
     hp: dict[str, Any] = state.get("hyper_parameters", {})
     sd: dict[str, torch.Tensor] = state["state_dict"]
     if any(k.startswith("a.policy.") for k in sd):  # GRAFT (a, b) or N peers (a, b, c, ...)
-        names = sorted({k.split(".", 1)[0] for k in sd if ".policy." in k})
+        peers = hp.get("policies")  # PeerGroupModule: the specs in model order
+        names = [chr(ord("a") + i) for i in range(len(peers))] if peers else ["a", "b"]
         if policy not in names:
             raise ValueError(
                 f"this checkpoint holds {len(names)} policies: pass --policy "
                 + " or --policy ".join(names)
             )
-        if "policies" in hp:  # PeerGroupModule: the specs in model order
-            spec_dict = hp["policies"][ord(policy) - ord("a")]
+        if peers:
+            spec_dict = peers[ord(policy) - ord("a")]
         else:
             spec_dict = hp[f"policy_{policy}"]
         prefix = f"{policy}.policy."
