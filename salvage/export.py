@@ -109,12 +109,19 @@ def export(
     state = load_checkpoint(ckpt)
     hp: dict[str, Any] = state.get("hyper_parameters", {})
     sd: dict[str, torch.Tensor] = state["state_dict"]
-    if any(k.startswith("a.policy.") for k in sd):  # GRAFT
-        if policy not in ("a", "b"):
+    if any(k.startswith("a.policy.") for k in sd):  # GRAFT (a, b) or N peers (a, b, c, ...)
+        peers = hp.get("policies")  # PeerGroupModule: the specs in model order
+        names = [chr(ord("a") + i) for i in range(len(peers))] if peers else ["a", "b"]
+        if policy not in names:
             raise ValueError(
-                "this is a GRAFT checkpoint with two policies: pass --policy a or --policy b"
+                f"this checkpoint holds {len(names)} policies: pass --policy "
+                + " or --policy ".join(names)
             )
-        spec_dict, prefix = hp[f"policy_{policy}"], f"{policy}.policy."
+        if peers:
+            spec_dict = peers[ord(policy) - ord("a")]
+        else:
+            spec_dict = hp[f"policy_{policy}"]
+        prefix = f"{policy}.policy."
     else:
         if policy not in (None, "a"):
             raise ValueError(f"--policy {policy!r}: this checkpoint holds a single policy")
@@ -170,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("out_dir", help="where the HF directory goes")
     ap.add_argument(
-        "--policy", choices=["a", "b"], default=None, help="GRAFT: which of the two policies"
+        "--policy",
+        choices=list("abcdefghijklmnopqrstuvwxyz"),
+        default=None,
+        help="GRAFT / N peers: which policy (a, b, c, ...)",
     )
     ap.add_argument(
         "--trust_remote_code",

@@ -86,9 +86,16 @@ def plan_from_config(cfg: dict[str, Any], gpu_gb: float = 80.0) -> MemoryPlan:
     replicate = fsdp.get("reference") == "replicate"
 
     models: list[ModelMem] = []
-    keys = ["policy_a", "policy_b"] if cls == "GRAFTModule" else ["policy"]
+    if cls == "PeerGroupModule":  # N peers, named a, b, c, ...
+        peers = init.get("policies") or [{"name_or_path": "tiny"}] * 3
+        specs = {f"policy_{chr(97 + i)}": p for i, p in enumerate(peers)}
+    elif cls == "GRAFTModule":
+        specs = {k: init.get(k) or {"name_or_path": "tiny"} for k in ("policy_a", "policy_b")}
+    else:
+        specs = {"policy": init.get("policy") or {"name_or_path": "tiny"}}
+    keys = list(specs)
     for i, key in enumerate(keys):
-        spec = init.get(key) or {"name_or_path": "tiny"}
+        spec = specs[key]
         shape = shape_of(spec)
         wbytes = _BYTES.get(spec.get("dtype"), 4)
         role = "policy" if len(keys) == 1 else f"policy {key[-1].upper()}"

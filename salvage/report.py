@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from salvage.core.peers import transfer_matrix
+
 
 def _newest(run_dir: Path, name: str) -> Path | None:
     files = sorted(run_dir.rglob(name), key=lambda p: p.stat().st_mtime)
@@ -233,9 +235,11 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
     else:
         skipped["relays.png"] = "no retained relay in relays.jsonl"
 
-    if exchange or "graft/transferred_a_to_b" in m:
+    pair_keys = ["graft/transferred_a_to_b", "graft/transferred_b_to_a"]
+    pair_keys += sorted(k for k in m if k.startswith("graft/transferred/"))
+    if exchange or any(k in m for k in pair_keys):
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-        for k in ("graft/transferred_a_to_b", "graft/transferred_b_to_a"):
+        for k in pair_keys:
             if k in m:
                 xs, ys = zip(*m[k], strict=True)
                 axes[0].plot(xs, ys, marker="o", ms=3, label=k)
@@ -287,6 +291,20 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
     for k in sorted(m):
         if k.split("/")[0] in ("rollout", "relay", "cost", "loss", "graft", "val", "eval", "sft"):
             lines.append(f"| {k} | {m[k][0][1]:.4g} | {last[k]:.4g} |")
+    counts = exchange_counts(exchange)
+    if counts:  # GRAFT / N peers: groups sent by each model (row) to each (column)
+        names = sorted({n for pair in counts for n in pair.split("_to_")})
+        matrix = transfer_matrix(counts, names)
+        lines += [
+            "",
+            f"transfer matrix over {len(exchange)} updates (groups sent, row -> column):",
+            "",
+            "| from \\ to | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for name, row in zip(names, matrix, strict=True):
+            cells = ["-" if c == name else f"{x:g}" for c, x in zip(names, row, strict=True)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if kept:
         fr = [r["j_star"] / r["L"] for r in kept]
         lines += [
@@ -299,6 +317,17 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
     (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     written.append("report.md")
     return {"written": written, "skipped": skipped, "dir": str(out)}
+
+
+def exchange_counts(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Groups transferred per ordered pair (``<src>_to_<dst>``) over a run's exchange
+    records: GRAFT's (``a_to_b`` / ``b_to_a`` lists) and N peers' (``transfers``)."""
+    out: dict[str, float] = {}
+    for rec in records:
+        pairs = rec.get("transfers") or {k: rec[k] for k in ("a_to_b", "b_to_a") if k in rec}
+        for pair, prompts in pairs.items():
+            out[pair] = out.get(pair, 0.0) + len(prompts)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -182,10 +182,12 @@ class PairedBatch(RolloutBatch):
 
     a: RolloutBatch
     b: RolloutBatch
+    more: dict[str, RolloutBatch] = field(default_factory=dict)
+    """The batches of models after the first two (``PeerGroupModule``: c, d, ...)."""
 
     def parts(self) -> dict[str, RolloutBatch]:
-        """The per-model batches by name."""
-        return {"a": self.a, "b": self.b}
+        """The per-model batches by name, in model order."""
+        return {"a": self.a, "b": self.b, **self.more}
 
 
 @dataclass
@@ -325,7 +327,11 @@ class Learner(Protocol):
 
 @runtime_checkable
 class PairedLearner(Learner, Protocol):
-    """A module training two policies (GRAFT): each by name, ``a`` and ``b``."""
+    """A module training several policies (GRAFT: ``a`` and ``b``; ``PeerGroupModule``:
+    ``a``, ``b``, ``c``, ...): each by name, ``names`` in model order."""
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
 
     def learner(self, name: str) -> Learner: ...
 

@@ -37,7 +37,7 @@ class AnswerSFT(OracleSFT):
     Args:
         data: the warm-start tasks (one source or a list; e.g. one slice of a task family).
         learner: which model to train: ``None`` for a single-policy module, ``a`` / ``b``
-            for one of GRAFT's two models.
+            for one of GRAFT's two models (``c``, ... for further peers of PeerGroupModule).
         template: the response, with ``{answer}`` replaced by the task's reference answer.
         steps: optimiser steps.
         batch_size: (prompt, response) pairs per step.
@@ -87,7 +87,8 @@ class AnswerSFT(OracleSFT):
             return pl_module.learner(self.learner)
         except KeyError:
             raise ConfigError(
-                f"AnswerSFT learner={self.learner!r}: not a model of this module (a or b)"
+                f"AnswerSFT learner={self.learner!r}: not a model of this module "
+                f"({', '.join(pl_module.names)})"
             ) from None
 
     def demonstrations(self, trainer: L.Trainer, module: Any = None) -> list[tuple[list, list]]:

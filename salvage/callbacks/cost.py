@@ -88,7 +88,7 @@ class CheckpointCost(L.Callback):
     @staticmethod
     def keys(pl_module: L.LightningModule) -> dict[str, str]:
         if isinstance(pl_module, PairedLearner):  # GRAFT: each model's score
-            return {"a": "a/val/aggregate", "b": "b/val/aggregate"}
+            return {n: f"{n}/val/aggregate" for n in pl_module.names}
         return {"policy": "val/aggregate"}
 
     @staticmethod

@@ -131,7 +131,7 @@ def exchange_rows(batch: Any, step: int) -> list[list[Any]]:
     return rows
 
 
-_EVAL = re.compile(r"^(?:(?P<model>[ab])/)?eval/(?:success/(?P<bench>.+)|(?P<agg>aggregate))$")
+_EVAL = re.compile(r"^(?:(?P<model>[a-z])/)?eval/(?:success/(?P<bench>.+)|(?P<agg>aggregate))$")
 
 
 def eval_rows(metrics: dict[str, float]) -> list[list[Any]]:
@@ -149,7 +149,7 @@ def eval_rows(metrics: dict[str, float]) -> list[list[Any]]:
         std = metrics.get(f"{key}_std")
         rows.append([m["model"] or "policy", bench, float(metrics[key]), std])
     if not rows:
-        for model in ("", "a/", "b/"):
+        for model in ("", *(f"{n}/" for n in "abcdefgh")):
             if f"{model}eval/success" in metrics:
                 rows.append(
                     [model[:-1] or "policy", "all", float(metrics[f"{model}eval/success"]), None]

@@ -241,7 +241,11 @@ class RescueCallback(L.Callback):
             keys = _Accounting.KEYS
             step = dict(zip(keys, all_reduce([step.get(k, 0.0) for k in keys]), strict=True))
             fracs = [f for part in gather_objects(fracs) for f in part]
-        _learner(pl_module).record(self.acc.metrics(step, fracs))
+        self.emit(pl_module, self.acc.metrics(step, fracs))
+
+    def emit(self, pl_module: L.LightningModule, values: dict[str, float]) -> None:
+        """Send this update's accounting to the trained module's step metrics."""
+        _learner(pl_module).record(values)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -372,6 +376,14 @@ class VerifiedHandoff(RescueCallback):
         self._teacher: Any = None
         self.acc.random_handoff = self.cfg.handoff == "random"
 
+    def student_policy(self, pl_module: L.LightningModule, dm: Any) -> Any:
+        """The policy whose group is rescued (the datamodule's live student)."""
+        return dm.student()
+
+    def teacher_name(self) -> str:
+        """The teacher as ``relays.jsonl`` names it (``lm``, ``oracle``)."""
+        return str(self.teacher_spec.kind)
+
     def describe(self) -> str:
         """One line for the run summary: the rescue stage, its variant and its teacher."""
         t = self.teacher_spec
@@ -459,7 +471,7 @@ class VerifiedHandoff(RescueCallback):
             s = _Search(gi, g, eps[idx], gen)
             s.req = next(gen)
             searches.append(s)
-        student = dm.student()
+        student = self.student_policy(pl_module, dm)
         base_seed = step_seed(self.seed, trainer.global_step, RELAY_DRIVE)
         with stage("verified handoff search", total=len(searches), unit="group") as bar:
             self._drive(searches, dm, student, base_seed, bar)
@@ -626,7 +638,7 @@ class VerifiedHandoff(RescueCallback):
             "family": s.group.task.get("family"),
             "retained": r.retained,
             "reason": r.reason,
-            "teacher": self.teacher_spec.kind,
+            "teacher": self.teacher_name(),
             "anchors": r.anchors_tried,
             "anchor": r.anchor,
             "L": r.L,

@@ -16,6 +16,8 @@ DEFAULT_KEYS = (
     "rollout/response_len",
     "a/rollout/success_rate",
     "b/rollout/success_rate",
+    "c/rollout/success_rate",
+    "graft/transferred",
     "graft/transferred_a_to_b",
     "graft/transferred_b_to_a",
     "graft/weight_mean",

@@ -62,10 +62,16 @@ def peer_responses(source: Group, rules: ExchangeRules) -> list[Trajectory]:
     return [t for t in source.trajectories if t.success or keep_all]
 
 
+def episode_logprobs(turns: Sequence[Turn]) -> list[float]:
+    """The log-probs of every response token of an episode's turns, in order (one turn:
+    that turn's). GRAFT's ``lbar`` of a multi-turn episode is their mean (docs/peers.md)."""
+    return [lp for t in turns for lp in t.logprobs]
+
+
 def receive_group(
     own: Group,
     peers: Sequence[Trajectory],
-    turns: Sequence[Turn],
+    turns: Sequence[Turn | Sequence[Turn]],
     rules: ExchangeRules,
     *,
     step: int = 0,
@@ -75,7 +81,9 @@ def receive_group(
     """The receiver's group on one prompt after the exchange (SPEC §3.2).
 
     ``turns[i]``: peer response i in the receiver's tokens, with the receiver's pi_old
-    log-probs. Each peer trajectory gets ``compat = exp(lbar_receiver - lbar_source)``
+    log-probs: one turn (single-turn tasks), or the turns of a peer episode re-rendered
+    turn by turn (agents; ``lbar`` then runs over all its action tokens). Each peer
+    trajectory gets ``compat = exp(lbar_receiver - lbar_source)``
     and the weight ``compat_weight`` (HACPO: 1; random admission: 0 until the caller draws
     the admitted ones). ``live`` (HACPO restricted to GRAFT's selection): False zeroes the
     peer responses' advantages. ``capability``: (receiver, source) success rates on the
@@ -90,9 +98,11 @@ def receive_group(
         )
         peer_ratio = (low, None if high == float("inf") else high)
     trajs = []
-    for t, turn in zip(peers, turns, strict=True):
-        src_mean = mean_logprob(t.turns[0].logprobs)
-        s = compatibility(mean_logprob(turn.logprobs), src_mean)
+    for t, item in zip(peers, turns, strict=True):
+        episode = [item] if isinstance(item, Turn) else list(item)
+        src_mean = mean_logprob(episode_logprobs(t.turns))
+        recv_mean = mean_logprob(episode_logprobs(episode))
+        s = compatibility(recv_mean, src_mean)
         if hacpo:
             w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
         elif rules.admission == "random":
@@ -103,12 +113,10 @@ def receive_group(
         if peer_ratio is not None:
             seq_ratio = SeqRatio(src_mean, *peer_ratio)
         elif rules.peer_ratio == "sequence" and rules.peer_loss == "clip":  # Table 2a
-            seq_ratio = SeqRatio(
-                mean_logprob(turn.logprobs), 1.0 - rules.clip_eps_low, 1.0 + rules.clip_eps_high
-            )
+            seq_ratio = SeqRatio(recv_mean, 1.0 - rules.clip_eps_low, 1.0 + rules.clip_eps_high)
         trajs.append(
             Trajectory(
-                turns=[turn],
+                turns=episode,
                 reward=t.reward,
                 success=t.success,
                 advantage=t.advantage,

@@ -19,36 +19,70 @@ from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.distributed import gathered
 from salvage.rollout.config import build_engine
 from salvage.tasks.math import MathTask
-from salvage.types import Learner, PairedBatch, PairedLearner, RolloutEngine
+from salvage.types import Learner, PairedBatch, PairedLearner, RolloutBatch, RolloutEngine
 
 NAMES = ("a", "b")
 
 
-class GraftDataModule(RLVRDataModule):
-    """RLVRDataModule for two policies (same arguments; see there)."""
+class PerModelRollouts:
+    """Shared by the multi-model datamodules: each model of the module (``names``) by name,
+    its own engine on its own policy and tokenizer, and the per-model batches as one
+    ``PairedBatch``."""
+
+    trainer: Any
+    engine_cfg: Any
+    _engines: dict[str, RolloutEngine]
+
+    def _names(self) -> tuple[str, ...]:
+        """The module's models in order (GRAFT: a, b; PeerGroupModule: a, b, c, ...)."""
+        return tuple(getattr(self.trainer.lightning_module, "names", NAMES))
 
     def _learner(self, name: str) -> Learner:
         return cast(PairedLearner, self.trainer.lightning_module).learner(name)
 
-    def _engine_for(self, name: str) -> RolloutEngine:
+    def _engine_for(self, name: str, cfg: Any = None, key: str | None = None) -> RolloutEngine:
+        """Model ``name``'s engine (``cfg``: other sampling settings, cached under ``key``)."""
         learner = self._learner(name)
         if learner.policy is None:
             raise RuntimeError(f"policy {name} is not loaded (configure_model has not run)")
-        eng = self._engines.get(name)
+        key = key or name
+        eng = self._engines.get(key)
         if eng is None or eng.model is not learner.policy:
-            eng = self._engines[name] = build_engine(
-                self.engine_cfg, learner.policy, learner.tokenizer
+            eng = self._engines[key] = build_engine(
+                cfg or self.engine_cfg, learner.policy, learner.tokenizer
             )
         return eng
 
     def rollout_models(self) -> list[torch.nn.Module]:
-        """None for the whole phase: ``_both`` gathers each policy around its own rollout."""
+        """None for the whole phase: each policy is gathered around its own rollout."""
         return []
+
+    @staticmethod
+    def _paired(parts: dict[str, RolloutBatch], t0: float) -> PairedBatch:
+        """One batch of the per-model batches (stats summed, the clock from ``t0``)."""
+        a, b, *more = parts.values()
+        stats = a.stats
+        for p in [b, *more]:
+            stats = stats.plus(p.stats)
+        extra = {k: v for k, v in parts.items() if k not in ("a", "b")}
+        return PairedBatch(
+            groups=[],
+            temperature=a.temperature,
+            stats=replace(stats, t_start=t0),
+            a=a,
+            b=b,
+            more=extra,
+        )
+
+
+class GraftDataModule(PerModelRollouts, RLVRDataModule):
+    """RLVRDataModule for two (or, with ``PeerGroupModule``, N) policies (same arguments;
+    see there)."""
 
     def _both(self, tasks: list[MathTask], n: int, seed: int, **kw: Any) -> PairedBatch:
         t0 = time.perf_counter()
         parts = {}
-        for i, name in enumerate(NAMES):
+        for i, name in enumerate(self._names()):
             learner = self._learner(name)
             with gathered(learner.policy):  # FSDP: only the model that samples now
                 parts[name] = self.rollout(
@@ -59,9 +93,7 @@ class GraftDataModule(RLVRDataModule):
                     tokenizer=learner.tokenizer,
                     **kw,
                 )
-        a, b = parts["a"], parts["b"]
-        stats = replace(a.stats.plus(b.stats), t_start=t0)
-        return PairedBatch(groups=[], temperature=a.temperature, stats=stats, a=a, b=b)
+        return self._paired(parts, t0)
 
     def train_rollout(self, tasks: list[MathTask]) -> PairedBatch:
         return self._both(

@@ -65,7 +65,7 @@ def _groups(batch: RolloutBatch) -> list[Group]:
     """The groups of a batch and of the per-model batches it carries (GRAFT: a and b)."""
     out = list(batch.groups)
     if isinstance(batch, PairedBatch):
-        out += _groups(batch.a) + _groups(batch.b)
+        out += [g for part in batch.parts().values() for g in _groups(part)]
     return out
 
 
@@ -81,5 +81,8 @@ def _concat(parts: list[RolloutBatch]) -> RolloutBatch:
     if isinstance(first, PairedBatch):
         pairs = [p for p in parts if isinstance(p, PairedBatch)]
         a, b = _concat([p.a for p in pairs]), _concat([p.b for p in pairs])
-        return PairedBatch(groups=groups, temperature=first.temperature, stats=stats, a=a, b=b)
+        more = {k: _concat([p.more[k] for p in pairs]) for k in first.more}
+        return PairedBatch(
+            groups=groups, temperature=first.temperature, stats=stats, a=a, b=b, more=more
+        )
     return RolloutBatch(groups=groups, temperature=first.temperature, stats=stats)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,7 +57,10 @@ from salvage.lm import DEFAULT_LOGPROB_CHUNK, response_logprobs, target_scores
 from salvage.models import PolicySpec
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
-from salvage.types import PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
+from salvage.types import Group, PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
+
+NAMES = tuple("abcdefghijklmnopqrstuvwxyz")
+"""Model names in order: GRAFT's two are ``a`` and ``b``; further peers ``c``, ``d``, ..."""
 
 
 class GRAFTModule(L.LightningModule):
@@ -118,6 +121,10 @@ class GRAFTModule(L.LightningModule):
         hacpo_peer_ramp: HACPO: the lower bound's rise per step (0.025; not capped).
         hacpo_peer_high: an upper bound on HACPO's peer ratio (None: none, as the GRAFT
             paper ran HACPO; e.g. 1.0 to cap it, which also caps the rising lower bound).
+        lr_schedule: ``constant``, ``linear`` or ``cosine`` decay after ``warmup_steps``, both
+            policies (as GRPOModule).
+        warmup_steps: RL updates of linear learning-rate warm-up from 0, both policies.
+        min_lr_ratio: the decayed learning rate's floor, as a fraction of each policy's lr.
         seed: seed of the balancing and ordering streams.
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
         logprob_chunk_size: positions per LM-head chunk when scoring tokens (as GRPOModule;
@@ -159,6 +166,9 @@ class GRAFTModule(L.LightningModule):
         hacpo_peer_low: float = 0.8,
         hacpo_peer_ramp: float = 0.025,
         hacpo_peer_high: float | None = None,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.0,
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
         logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
@@ -196,7 +206,7 @@ class GRAFTModule(L.LightningModule):
                 "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
             )
         self.automatic_optimization = False
-        common: dict[str, Any] = dict(
+        self._common: dict[str, Any] = dict(
             weight_decay=weight_decay,
             num_minibatches=num_minibatches,
             micro_batch_size=micro_batch_size,
@@ -207,12 +217,17 @@ class GRAFTModule(L.LightningModule):
             max_grad_norm=max_grad_norm,
             shuffle_minibatches=False,
             logprob_chunk_size=logprob_chunk_size,
+            lr_schedule=lr_schedule,
+            warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio,
             seed=seed,
             fsdp=fsdp,
         )
-        self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **common)
+        self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **self._common)
         self.b = GRPOModule(
-            policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1), lr=lr_b or lr, **common
+            policy=policy_b or PolicySpec("tiny", vocab_size=384, seed=1),
+            lr=lr_b or lr,
+            **self._common,
         )
         self.save_hyperparameters(ignore=["policy_a", "policy_b", "fsdp"])
         self.hparams["fsdp"] = self.a.hparams["fsdp"]
@@ -226,8 +241,20 @@ class GRAFTModule(L.LightningModule):
         """The saved hyper-parameters (attribute access)."""
         return cast(AttributeDict, super().hparams)
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The models' names, in model order."""
+        return NAMES[:2]
+
     def learner(self, name: str) -> GRPOModule:
-        return {"a": self.a, "b": self.b}[name]
+        """The model ``name`` (one of ``names``)."""
+        if name not in self.names:
+            raise KeyError(f"no model {name!r} in this module (models: {', '.join(self.names)})")
+        return cast(GRPOModule, getattr(self, name))
+
+    def learners(self) -> list[GRPOModule]:
+        """Every model, in order."""
+        return [self.learner(n) for n in self.names]
 
     @property
     def tokenizer(self) -> Any:  # the datamodule's default (A's); GRAFT passes each explicitly
@@ -239,23 +266,23 @@ class GRAFTModule(L.LightningModule):
 
     def configure_model(self) -> None:
         mesh = self.a.mesh_of(self.device_mesh)
-        for child in (self.a, self.b):  # both policies sharded on the strategy's one mesh
+        for child in self.learners():  # every policy sharded on the strategy's one mesh
             child.build(mesh)
 
     def inference_models(self) -> list[torch.nn.Module]:
-        return self.a.inference_models() + self.b.inference_models()
+        return [m for lr in self.learners() for m in lr.inference_models()]
 
     def sampling_models(self) -> list[torch.nn.Module]:
-        return self.a.sampling_models() + self.b.sampling_models()
+        return [m for lr in self.learners() for m in lr.sampling_models()]
 
     def configure_optimizers(self) -> Any:
-        return [self.a.configure_optimizers(), self.b.configure_optimizers()]
+        return [lr.configure_optimizers() for lr in self.learners()]
 
     def on_fit_start(self) -> None:
         self._records = run_file(
             self.trainer, "exchange"
         )  # on every rank (log_dir is a collective)
-        for lr in (self.a, self.b):
+        for lr in self.learners():
             lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
             if lr.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
                 to_device(lr.ref_model, self.device)
@@ -286,7 +313,18 @@ class GRAFTModule(L.LightningModule):
             bar,
             step=self.global_step,
             live=live,
+            encode=self.encoder(receiver),
         )
+
+    def encoder(self, receiver: GRPOModule) -> Callable[[str], list[int]] | None:
+        """Agent runs: the receiver's prompt encoder, from the datamodule (None: single-turn
+        tasks, where a peer response goes on the receiver's own prompt of the task)."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        make = getattr(dm, "encoder", None)
+        if make is None:
+            return None
+        name = next(n for n in self.names if self.learner(n) is receiver)
+        return cast(Callable[[str], list[int]], make(name))
 
     @property
     def rules(self) -> ExchangeRules:
@@ -464,7 +502,9 @@ class GRAFTModule(L.LightningModule):
     # ------------------------------------------------------------------ eval
     def on_validation_epoch_start(self) -> None:
         # per model, one record per evaluated problem: (repeat, benchmark, task, successes, samples)
-        self._eval_acc: dict[str, list[tuple[int, str, str, float, float]]] = {"a": [], "b": []}
+        self._eval_acc: dict[str, list[tuple[int, str, str, float, float]]] = {
+            n: [] for n in self.names
+        }
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -492,7 +532,7 @@ class GRAFTModule(L.LightningModule):
         """Per model, pass@1 per benchmark and the aggregate over the problems of all ranks
         (every rank logs the same global numbers: checkpoint selection and CheckpointCost
         see the whole evaluation, not one rank's share)."""
-        for name in ("a", "b"):
+        for name in self.names:
             mine = getattr(self, "_eval_acc", {}).get(name, [])
             acc = merge_eval_records(gather_objects(mine))  # a collective: every rank
             if not acc:
@@ -550,56 +590,29 @@ def transplant(
     *,
     step: int = 0,
     live: list[int] | None = None,
+    encode: Callable[[str], list[int]] | None = None,
 ) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
     The shell of the exchange: the receiver's tokenizer re-tokenises each peer response and
     its policy scores it (pi_old log-probs); ``core.exchange.receive_group`` does the rest.
     ``step``: the update index (HACPO's rising peer bound); ``live``: HACPO restricted to
-    GRAFT's selection, the prompts whose peer responses keep their advantage (None: all).
-    Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
+    GRAFT's selection, the prompts whose peer responses keep their advantage (None: all);
+    ``encode``: agents, the receiver's prompt encoder (``peer_turns``). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
     responses' weights.
     """
     peer_trajs: list[Trajectory] = []
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
     if dst.own_groups is None:
         dst.own_groups = list(dst.groups)
-    tok = receiver.tokenizer
     # HACPO: each model's capability = its success rate on this batch (before any exchange)
     cap_src = sum(t.success for t in src.trajectories) / max(1, len(src.trajectories))
     cap_recv = sum(t.success for t in dst.trajectories) / max(1, len(dst.trajectories))
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
-        prompt = list(dg.trajectories[0].turns[0].prompt_ids)  # the receiver's own prompt format
-        peers = peer_responses(sg, rules)
+        peers, turns = peer_turns(sg, dg, receiver, rules, dst.temperature, encode)
         if not peers:
             continue
-        resp = []
-        for t in peers:
-            turn = t.turns[0]
-            ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
-            if (
-                turn.finish_reason == "stop" and tok.eos_token_id is not None
-            ):  # it ended, not truncated
-                ids.append(int(tok.eos_token_id))
-            resp.append(ids or [int(tok.eos_token_id)])
-        old = response_logprobs(
-            receiver.live_policy,
-            [prompt] * len(resp),
-            resp,
-            int(tok.pad_token_id),
-            temperature=dst.temperature,
-            batch_size=receiver.hparams.micro_batch_size,
-        )
-        turns = [
-            Turn(
-                prompt_ids=prompt,
-                response_ids=ids,
-                logprobs=lp,
-                response_text=t.turns[0].response_text,
-            )
-            for t, ids, lp in zip(peers, resp, old, strict=True)
-        ]
         group = receive_group(
             dg,
             peers,
@@ -618,3 +631,71 @@ def transplant(
         for t, w in zip(peer_trajs, random_admission(scores, rules.delta, rng), strict=True):
             t.weight = w
     return [t.weight for t in peer_trajs]
+
+
+def peer_turns(
+    source: Group,
+    own: Group,
+    receiver: GRPOModule,
+    rules: ExchangeRules,
+    temperature: float,
+    encode: Callable[[str], list[int]] | None = None,
+) -> tuple[list[Trajectory], list[list[Turn]]]:
+    """The source's travelling responses on one prompt and, for each, its turns as the
+    receiver sees them: the receiver's prompt, the response re-tokenised by the receiver's
+    tokenizer (EOS appended when the response ended rather than being truncated) and its
+    pi_old log-probs at ``temperature``.
+
+    Single-turn tasks (``encode`` None): one turn on the receiver's own prompt of the task.
+    Agents: every trainable turn of the peer's episode, its prompt text (the task, the
+    recorded observations and actions) re-rendered by ``encode``, the receiver's prompt
+    encoder (chat template and tokenizer).
+    """
+    peers = peer_responses(source, rules)
+    if not peers:
+        return [], []
+    tok = receiver.tokenizer
+    own_prompt = list(own.trajectories[0].turns[0].prompt_ids)  # the receiver's own format
+    prompts, resp, shape = [], [], []
+    for t in peers:
+        turns = [x for x in t.turns if x.train] if encode is not None else t.turns[:1]
+        shape.append(len(turns))
+        for turn in turns:
+            ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
+            if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # ended
+                ids.append(int(tok.eos_token_id))
+            resp.append(ids or [int(tok.eos_token_id)])
+            prompts.append(encode(turn.prompt_text) if encode is not None else own_prompt)
+    old = response_logprobs(
+        receiver.live_policy,
+        prompts,
+        resp,
+        int(tok.pad_token_id),
+        temperature=temperature,
+        batch_size=receiver.hparams.micro_batch_size,
+    )
+    out: list[list[Turn]] = []
+    k = 0
+    for t, n in zip(peers, shape, strict=True):
+        src = [x for x in t.turns if x.train] if encode is not None else t.turns[:1]
+        out.append(
+            [
+                replace(
+                    turn,
+                    prompt_ids=prompts[k + i],
+                    response_ids=resp[k + i],
+                    logprobs=old[k + i],
+                    train=True,
+                )
+                if encode is not None
+                else Turn(
+                    prompt_ids=prompts[k + i],
+                    response_ids=resp[k + i],
+                    logprobs=old[k + i],
+                    response_text=turn.response_text,
+                )
+                for i, turn in enumerate(src)
+            ]
+        )
+        k += n
+    return peers, out
