@@ -26,6 +26,7 @@ from salvage.core.graft import compatibility, mean_logprob
 from salvage.core.peers import (
     SOURCE_RULES,
     balance_pairs,
+    candidates,
     capped_mean_compat,
     choose_sources,
     pair_order,
@@ -148,20 +149,25 @@ class PeerGroupModule(GRAFTModule):
         # every model receives from the others' own (pre-exchange) groups
         own = [RolloutBatch(groups=list(b.groups), temperature=b.temperature) for b in batches]
         pairs = pair_order(len(batches))
-        with gathered(*(lr.policy for lr in learners)):  # local forwards under FSDP
-            if hp.exchange:
-
-                def compat(s: int, r: int, q: int) -> float:
-                    return self._compat(own[s], own[r], q, learners[r])
-
-                proposed = choose_sources(k, n, rng, hp.source_rule, compat)
-                sends = balance_pairs(proposed, len(batches), rng, hp.balance, hp.rho)
-            else:
-                proposed = sends = {p: [] for p in pairs}
-            total = sum(len(v) for v in sends.values())
-            weights: list[float] = []
-            with stage("GRAFT exchange", total=total, unit="group") as bar:
-                for s, r in pairs:
+        # receiver likelihoods are local forwards under FSDP: each receiver is gathered only
+        # while it scores, and every rank enters every receiver's context in the same order
+        proposed = sends = {p: [] for p in pairs}
+        if hp.exchange:
+            table: dict[tuple[int, int, int], float] = {}
+            if hp.source_rule == "compat":  # score only prompts with several candidates
+                for r, lr in enumerate(learners):
+                    with gathered(lr.policy):
+                        for q in range(len(k[r])):
+                            cand = candidates(k, r, q, n)
+                            for s in cand if len(cand) > 1 else []:
+                                table[(s, r, q)] = self._compat(own[s], own[r], q, lr)
+            proposed = choose_sources(k, n, rng, hp.source_rule, lambda s, r, q: table[(s, r, q)])
+            sends = balance_pairs(proposed, len(batches), rng, hp.balance, hp.rho)
+        total = sum(len(v) for v in sends.values())
+        weights: list[float] = []
+        with stage("GRAFT exchange", total=total, unit="group") as bar:
+            for s, r in pairs:
+                with gathered(learners[r].policy):
                     weights += self.receive(
                         own[s], batches[r], sends[(s, r)], learners[r], rng, bar
                     )
