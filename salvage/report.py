@@ -293,17 +293,17 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
             lines.append(f"| {k} | {m[k][0][1]:.4g} | {last[k]:.4g} |")
     counts = exchange_counts(exchange)
     if counts:  # GRAFT / N peers: groups sent by each model (row) to each (column)
-        names = sorted({n for pair in counts for n in pair.split("_to_")})
-        matrix = transfer_matrix(counts, names)
+        models = sorted({n for pair in counts for n in pair.split("_to_")})
+        matrix = transfer_matrix(counts, models)
         lines += [
             "",
             f"transfer matrix over {len(exchange)} updates (groups sent, row -> column):",
             "",
-            "| from \\ to | " + " | ".join(names) + " |",
-            "|---|" + "---|" * len(names),
+            "| from \\ to | " + " | ".join(models) + " |",
+            "|---|" + "---|" * len(models),
         ]
-        for name, row in zip(names, matrix, strict=True):
-            cells = ["-" if c == name else f"{x:g}" for c, x in zip(names, row, strict=True)]
+        for name, row in zip(models, matrix, strict=True):
+            cells = ["-" if c == name else f"{x:g}" for c, x in zip(models, row, strict=True)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if kept:
         fr = [r["j_star"] / r["L"] for r in kept]

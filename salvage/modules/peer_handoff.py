@@ -45,7 +45,7 @@ class PeerHandoffModule(GRAFTModule):
         super().__init__(
             exchange=exchange, clip_eps_high=clip_eps_high, loss_agg=loss_agg, **kwargs
         )
-        vh = dict(
+        vh: dict[str, Any] = dict(
             beta=beta,
             lambda_pair=lambda_pair,
             lambda_bridge=lambda_bridge,

@@ -151,7 +151,8 @@ class PeerGroupModule(GRAFTModule):
         pairs = pair_order(len(batches))
         # receiver likelihoods are local forwards under FSDP: each receiver is gathered only
         # while it scores, and every rank enters every receiver's context in the same order
-        proposed = sends = {p: [] for p in pairs}
+        proposed: dict[tuple[int, int], list[int]] = {p: [] for p in pairs}
+        sends = proposed
         if hp.exchange:
             table: dict[tuple[int, int, int], float] = {}
             if hp.source_rule == "compat":  # score only prompts with several candidates
