@@ -53,7 +53,12 @@ from salvage.distributed import (
     run_file,
     to_device,
 )
-from salvage.lm import response_logprobs, target_scores
+from salvage.lm import (
+    packed_response_logprobs,
+    packed_target_scores,
+    response_logprobs,
+    target_scores,
+)
 from salvage.models import PolicySpec
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
@@ -120,6 +125,10 @@ class GRAFTModule(L.LightningModule):
             paper ran HACPO; e.g. 1.0 to cap it, which also caps the rising lower bound).
         seed: seed of the balancing and ordering streams.
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
+        pack_prompts: both policies score rows that share a prompt (a group's samples, a
+            peer group) in one packed sequence, each prompt once (as GRPOModule).
+        length_aware_micro_batches: both policies cut micro-batches from rows ordered by
+            length (as GRPOModule).
     """
 
     def __init__(
@@ -159,6 +168,8 @@ class GRAFTModule(L.LightningModule):
         hacpo_peer_high: float | None = None,
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
+        pack_prompts: bool = True,
+        length_aware_micro_batches: bool = True,
     ) -> None:
         super().__init__()
         if balance not in BALANCE:
@@ -205,6 +216,8 @@ class GRAFTModule(L.LightningModule):
             shuffle_minibatches=False,
             seed=seed,
             fsdp=fsdp,
+            pack_prompts=pack_prompts,
+            length_aware_micro_batches=length_aware_micro_batches,
         )
         self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **common)
         self.b = GRPOModule(
@@ -522,7 +535,8 @@ def sgt_auxiliary(learner: GRPOModule, targets: list[SeqTarget], weight: float) 
 
         def nll(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
             nonlocal total
-            scores = target_scores(learner.live_policy, part, pad, learner.device)
+            score = packed_target_scores if learner.hparams.pack_prompts else target_scores
+            scores = score(learner.live_policy, part, pad, learner.device)
             loss = completion_loss(scores).sum() / denom
             total += float(loss.detach())
             return weight * loss
@@ -579,7 +593,9 @@ def transplant(
             ):  # it ended, not truncated
                 ids.append(int(tok.eos_token_id))
             resp.append(ids or [int(tok.eos_token_id)])
-        old = response_logprobs(
+        # one prompt, many responses: packed (each prompt computed once) under pack_prompts
+        score = packed_response_logprobs if receiver.hparams.pack_prompts else response_logprobs
+        old = score(
             receiver.live_policy,
             [prompt] * len(resp),
             resp,
