@@ -183,7 +183,7 @@ def packed_token_logprobs(
     layout = pack_rows(seqs, starts)
     ids, _ = pad_right(layout.input_ids, pad_id, device)
     pos, _ = pad_right(layout.position_ids, 0, device)
-    allowed = packed_attention(layout.segments, ids.shape[1]).to(ids.device)
+    allowed = packed_attention(layout.segments, layout.blocks, ids.shape[1]).to(ids.device)
     if impl == "eager":  # eager adds the mask to the scores: 0 / most negative
         dtype = model.get_input_embeddings().weight.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
@@ -199,11 +199,11 @@ def packed_token_logprobs(
         use_cache=False,
         logits_to_keep=W - first,
     )
-    logits = out.logits  # (packs, W - first, V)
+    logits = out.logits  # (sequences, W - first, V)
     width = max(len(s) for s in seqs) - 1
     rows_at, cols_at, vals = [], [], []
     for k in range(len(layout.input_ids)):
-        mine = [r for r, p in enumerate(layout.row_pack) if p == k and layout.row_positions[r]]
+        mine = [r for r, p in enumerate(layout.row_seq) if p == k and layout.row_positions[r]]
         if not mine:
             continue
         at = [q - first for r in mine for q in layout.row_positions[r]]

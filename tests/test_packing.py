@@ -16,7 +16,9 @@ import torch
 
 from salvage.core.grpo import assign_advantages
 from salvage.core.packing import (
+    JOIN_CAPACITY,
     PAD_SEGMENT,
+    first_fit_decreasing,
     has_shared_prompt,
     micro_batch_order,
     pack_rows,
@@ -32,13 +34,14 @@ def test_pack_rows_by_hand():
     # rows: prompt [5, 6] + [7, 8, 9]; prompt [5, 6] + [10, 11]; prompt [5] + [6, 7]
     seqs = [[5, 6, 7, 8, 9], [5, 6, 10, 11], [5, 6, 7]]
     starts = [1, 1, 0]
-    lay = pack_rows(seqs, starts)
+    lay = pack_rows(seqs, starts, join=False)
     # pack 0: prompt 5 6 (pos 0 1), sample 0 minus its last token: 7 8 (pos 2 3),
     # sample 1 minus its last token: 10 (pos 2); pack 1: prompt 5, then 6 (pos 1)
     assert lay.input_ids == [[5, 6, 7, 8, 10], [5, 6]]
     assert lay.position_ids == [[0, 1, 2, 3, 2], [0, 1]]
     assert lay.segments == [[-1, -1, 0, 0, 1], [-1, 0]]
-    assert lay.row_pack == [0, 0, 1]
+    assert lay.blocks == [[0] * 5, [0, 0]]
+    assert lay.row_seq == [0, 0, 1]
     # the prompt's last position (1) predicts the first token of both samples of pack 0
     assert lay.row_positions == [[1, 2, 3], [1, 4], [0, 1]]
     assert lay.row_targets == [[7, 8, 9], [10, 11], [6, 7]]
@@ -49,9 +52,36 @@ def test_pack_rows_by_hand():
         pack_rows([[1, 2, 3, 4]], [4])
 
 
+def test_packs_join_where_they_fit_by_hand():
+    # packs: A = [5, 6, 7, 8, 10] (5 tokens), B = [5, 6] (2), C = prompt [9] + [8, 7, 6] ->
+    # [9, 8, 7] (3). First fit decreasing: capacity 5 -> A alone, C + B; capacity
+    # JOIN_CAPACITY x 5 = 10 (pack_rows) -> A, C, B in one sequence
+    assert first_fit_decreasing([5, 2, 3], 5) == [[0], [2, 1]]
+    assert first_fit_decreasing([5, 2, 3], 10) == [[0, 2, 1]]
+    assert JOIN_CAPACITY == 2
+    seqs = [[5, 6, 7, 8, 9], [5, 6, 10, 11], [5, 6, 7], [9, 8, 7, 6]]
+    starts = [1, 1, 0, 0]
+    lay = pack_rows(seqs, starts)
+    assert lay.input_ids == [[5, 6, 7, 8, 10, 9, 8, 7, 5, 6]]
+    assert lay.position_ids == [[0, 1, 2, 3, 2, 0, 1, 2, 0, 1]]
+    assert lay.segments == [[-1, -1, 0, 0, 1, -1, 0, 0, -1, 0]]
+    assert lay.blocks == [[0] * 5 + [1] * 3 + [2] * 2]
+    assert lay.row_seq == [0, 0, 0, 0]
+    # B sits at offset 8 (its positions 0, 1 -> 8, 9), C at offset 5 (0, 1, 2 -> 5, 6, 7)
+    assert lay.row_positions == [[1, 2, 3], [1, 4], [8, 9], [5, 6, 7]]
+    assert pack_rows(seqs, starts, join=False).input_ids == [[5, 6, 7, 8, 10], [5, 6], [9, 8, 7]]
+    m = packed_attention(lay.segments, lay.blocks, lay.width)[0, 0].int()
+    # each pack sees only itself: A's second sample (4) sees A's prompt and itself; C's last
+    # input (7) sees C; B's prompt (8) only itself, B's sample (9) B's prompt and itself
+    assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert m[7].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 0, 0]
+    assert m[8].tolist() == [0] * 8 + [1, 0]
+    assert m[9].tolist() == [0] * 8 + [1, 1]
+
+
 def test_packed_attention_by_hand():
-    # pack 0 of the test above: segments [-1, -1, 0, 0, 1]; a second pack [-1, 0] padded to 5
-    m = packed_attention([[-1, -1, 0, 0, 1], [-1, 0]], 5)
+    # pack 0 of the first test: segments [-1, -1, 0, 0, 1]; a second pack [-1, 0] padded to 5
+    m = packed_attention([[-1, -1, 0, 0, 1], [-1, 0]], [[0] * 5, [0, 0]], 5)
     assert m.shape == (2, 1, 5, 5) and m.dtype == torch.bool
     want0 = [
         [1, 0, 0, 0, 0],  # prompt token 0: itself
@@ -60,14 +90,14 @@ def test_packed_attention_by_hand():
         [1, 1, 1, 1, 0],  # sample 0, second input
         [1, 1, 0, 0, 1],  # sample 1: the prompt and itself, not sample 0
     ]
-    # padding (segment PAD_SEGMENT) is seen by no real token; a padding query sees the prompt
-    # and padding up to itself
+    # padding (segment PAD_SEGMENT) is seen by no real token; a padding query sees the
+    # padding up to itself
     want1 = [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
-        [1, 0, 1, 0, 0],
-        [1, 0, 1, 1, 0],
-        [1, 0, 1, 1, 1],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 1, 1, 1],
     ]
     assert m[0, 0].int().tolist() == want0 and m[1, 0].int().tolist() == want1
     assert PAD_SEGMENT == -2
@@ -193,10 +223,10 @@ def test_grpo_update_packed_and_length_ordered_equals_unpacked(kl_coef):
         assert v["loss/policy"] == pytest.approx(v0["loss/policy"], abs=1e-5)
         if kl_coef:
             assert v["loss/kl"] == pytest.approx(v0["loss/kl"], abs=1e-6) and v0["loss/kl"] > 0
-    # packed + length-aware: each micro-batch of 4 holds one whole group -> 6 prompts
-    # computed once each (2 minibatches x 3 groups split across them), not 12 times
+    # packed: each prompt runs once per micro-batch holding rows of its group, not per row
     m, _ = _updated(GRPOModule, batch, True, True, **kw)
-    assert m.forward_positions[0] < base.forward_positions[0]
+    assert m.forward_positions[1] < base.forward_positions[1]
+    assert m.forward_positions[2] == base.forward_positions[2]
 
 
 def test_length_aware_order_cuts_padding_and_keeps_the_minibatches():
@@ -208,8 +238,19 @@ def test_length_aware_order_cuts_padding_and_keeps_the_minibatches():
     shuffled, _ = _updated(GRPOModule, batch, False, False, **kw)
     ordered, _ = _updated(GRPOModule, batch, False, True, **kw)
     assert _max_param_diff(ordered, shuffled) <= 1e-5
-    assert ordered.forward_positions[1] == shuffled.forward_positions[1]  # same tokens scored
-    assert ordered.forward_positions[0] < shuffled.forward_positions[0]  # less padding
+    # the same tokens run and scored, fewer padding positions
+    assert ordered.forward_positions[1:] == shuffled.forward_positions[1:]
+    assert ordered.forward_positions[0] < shuffled.forward_positions[0]
+    # packed, micro-batches of 4 = G: each micro-batch is one whole group, one pack of
+    # prompt + sum(response - 1) tokens; unpacked: every row runs its prompt again
+    packed, _ = _updated(GRPOModule, batch, True, True, micro_batch_size=4, num_minibatches=1)
+    assert _max_param_diff(packed, shuffled) <= 1e-5
+    groups = [[t.turns[0] for t in g.trajectories] for g in batch.groups]
+    want = sum(len(g[0].prompt_ids) + sum(len(u.response_ids) - 1 for u in g) for g in groups)
+    assert packed.forward_positions[1] == want
+    assert shuffled.forward_positions[1] == sum(
+        len(u.prompt_ids) + len(u.response_ids) for g in groups for u in g
+    )
 
 
 def test_vhgpo_aux_terms_packed_equal_unpacked():

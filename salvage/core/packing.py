@@ -26,22 +26,29 @@ import torch
 PAD_SEGMENT = -2
 """Segment id of padding positions (the shared prompt is -1, samples are 0, 1, ...)."""
 
+JOIN_CAPACITY = 2
+"""Packs share a sequence up to this many times the longest pack's length (ours): padding
+falls (a micro-batch's packs differ in length when its rows are parts of groups), and no
+sequence's attention span grows by more than this factor."""
+
 
 @dataclass(frozen=True)
 class PackedLayout:
     """Packed sequences of a set of rows and the maps back to each row's log-probs."""
 
     input_ids: list[list[int]]
-    """One sequence per distinct prompt: the prompt, then each sample's response minus its
-    last token."""
+    """The sequences run: each holds one or more packs (a prompt, then each sample's
+    response minus its last token), packs of different prompts side by side."""
     position_ids: list[list[int]]
-    """Per packed token: its position in the row's own unpacked sequence."""
+    """Per token: its position in the row's own unpacked sequence."""
     segments: list[list[int]]
-    """Per packed token: -1 for the shared prompt, j >= 0 for the j-th sample of the pack."""
-    row_pack: list[int]
-    """The pack that holds each row."""
+    """Per token: -1 for a pack's shared prompt, j >= 0 for the j-th sample of its pack."""
+    blocks: list[list[int]]
+    """Per token: which pack of its sequence it belongs to (0, 1, ...)."""
+    row_seq: list[int]
+    """The sequence that holds each row."""
     row_positions: list[list[int]]
-    """Per row: the packed positions whose logits predict its response tokens, in order."""
+    """Per row: the positions in its sequence whose logits predict its response tokens."""
     row_targets: list[list[int]]
     """Per row: its response tokens (the targets of ``row_positions``)."""
     row_start: list[int]
@@ -49,12 +56,12 @@ class PackedLayout:
 
     @property
     def width(self) -> int:
-        """The longest packed sequence."""
+        """The longest sequence."""
         return max((len(s) for s in self.input_ids), default=0)
 
     @property
     def first_needed(self) -> int:
-        """The first packed position whose logits some row needs (the LM head starts there)."""
+        """The first position whose logits some row needs (the LM head starts there)."""
         return min((p[0] for p in self.row_positions if p), default=0)
 
 
@@ -69,8 +76,33 @@ def has_shared_prompt(seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> b
     return len(set(keys)) < len(keys)
 
 
-def pack_rows(seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedLayout:
-    """Pack rows that share a prompt into one sequence each (packs in first-seen order)."""
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices, each summing to at most ``capacity`` (an item longer than it
+    gets a bin of its own): items longest first (ties in order), each into the first bin
+    with room. Bins in the order they were opened."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, left in enumerate(room):
+            if lengths[i] <= left:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
+def pack_rows(
+    seqs: Sequence[Sequence[int]], starts: Sequence[int], join: bool = True
+) -> PackedLayout:
+    """Pack rows that share a prompt into one pack each (packs in first-seen order).
+
+    ``join``: packs share a sequence where they fit beside each other
+    (``first_fit_decreasing``, capacity ``JOIN_CAPACITY`` x the longest pack); False: one
+    sequence per pack.
+    """
     if len(seqs) != len(starts):
         raise ValueError(f"pack_rows: {len(seqs)} sequences but {len(starts)} starts")
     pack_of: dict[tuple[int, ...], int] = {}
@@ -101,22 +133,54 @@ def pack_rows(seqs: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedLay
         ids[k] += response[:-1]
         pos[k] += list(range(a + 1, a + len(response)))
         seg[k] += [j] * max(0, len(response) - 1)
-    return PackedLayout(ids, pos, seg, row_pack, row_positions, row_targets, list(starts))
+    lengths = [len(x) for x in ids]
+    if join:
+        bins = first_fit_decreasing(lengths, JOIN_CAPACITY * max(lengths, default=0))
+    else:
+        bins = [[k] for k in range(len(ids))]
+    seq_of, offset = [0] * len(ids), [0] * len(ids)
+    out_ids, out_pos, out_seg, out_blk = [], [], [], []
+    for b, packs in enumerate(bins):
+        out_ids.append([])
+        out_pos.append([])
+        out_seg.append([])
+        out_blk.append([])
+        for i, k in enumerate(packs):
+            seq_of[k], offset[k] = b, len(out_ids[b])
+            out_ids[b] += ids[k]
+            out_pos[b] += pos[k]
+            out_seg[b] += seg[k]
+            out_blk[b] += [i] * len(ids[k])
+    return PackedLayout(
+        out_ids,
+        out_pos,
+        out_seg,
+        out_blk,
+        [seq_of[k] for k in row_pack],
+        [[q + offset[k] for q in p] for p, k in zip(row_positions, row_pack, strict=True)],
+        row_targets,
+        list(starts),
+    )
 
 
-def packed_attention(segments: Sequence[Sequence[int]], width: int) -> torch.Tensor:
-    """Boolean attention mask (packs, 1, width, width); True: the query may attend the key.
+def packed_attention(
+    segments: Sequence[Sequence[int]], blocks: Sequence[Sequence[int]], width: int
+) -> torch.Tensor:
+    """Boolean attention mask (sequences, 1, width, width); True: the query may attend.
 
-    Query i sees key k iff k <= i and k is a prompt token or a token of i's own sample.
-    Padding (right, segment ``PAD_SEGMENT``) is seen by no real token; a padding query sees
-    the prompt and padding so no row of the mask is empty (its outputs are never used).
+    Query i sees key k iff k <= i, both are in the same pack, and k is the pack's prompt or
+    a token of i's own sample. Padding (right) is seen by no real token; a padding query
+    sees the padding up to itself, so no row of the mask is empty (its outputs are unused).
     """
     seg = torch.full((len(segments), width), PAD_SEGMENT, dtype=torch.long)
-    for i, s in enumerate(segments):
+    blk = torch.full((len(segments), width), -1, dtype=torch.long)
+    for i, (s, b) in enumerate(zip(segments, blocks, strict=True)):
         seg[i, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        blk[i, : len(b)] = torch.as_tensor(list(b), dtype=torch.long)
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     q, k = seg[:, :, None], seg[:, None, :]
-    allowed = causal[None] & ((k == -1) | (k == q))
+    same_pack = blk[:, :, None] == blk[:, None, :]
+    allowed = causal[None] & same_pack & ((k == -1) | (k == q))
     return allowed[:, None]
 
 

@@ -223,9 +223,9 @@ class GRPOModule(L.LightningModule):
         self._step = 0
         self._count_step = True
         self.total_steps_hint: int | None = None
-        self.forward_positions = [0, 0]
-        """[token positions run through the policy in update forwards, response tokens
-        scored]: counted for benchmarks (padding and prompt share), never reset here."""
+        self.forward_positions = [0, 0, 0]
+        """Update forwards of the policy: [positions run (padding included), tokens run,
+        response tokens scored]; counted for benchmarks, never reset here."""
 
     @property
     def hparams(self) -> AttributeDict:
@@ -713,10 +713,12 @@ class GRPOModule(L.LightningModule):
             if has_shared_prompt(seqs, starts):
                 layout = pack_rows(seqs, starts)
                 self.forward_positions[0] += len(layout.input_ids) * layout.width
-                self.forward_positions[1] += sum(len(r.ids) - 1 - r.start for r in part)
+                self.forward_positions[1] += sum(len(s) for s in layout.input_ids)
+                self.forward_positions[2] += sum(len(r.ids) - 1 - r.start for r in part)
                 return
         self.forward_positions[0] += len(part) * max(len(r.ids) for r in part)
-        self.forward_positions[1] += sum(len(r.ids) - 1 - r.start for r in part)
+        self.forward_positions[1] += sum(len(r.ids) for r in part)
+        self.forward_positions[2] += sum(len(r.ids) - 1 - r.start for r in part)
 
     def backward_loss(self, loss: torch.Tensor) -> None:
         """Backward through the strategy when attached to a trainer (plain autograd otherwise)."""
