@@ -20,6 +20,7 @@ from salvage.core.packing import (
     PAD_SEGMENT,
     first_fit_decreasing,
     has_shared_prompt,
+    join_packs,
     micro_batch_order,
     pack_rows,
     packed_attention,
@@ -53,30 +54,38 @@ def test_pack_rows_by_hand():
 
 
 def test_packs_join_where_they_fit_by_hand():
-    # packs: A = [5, 6, 7, 8, 10] (5 tokens), B = [5, 6] (2), C = prompt [9] + [8, 7, 6] ->
-    # [9, 8, 7] (3). First fit decreasing: capacity 5 -> A alone, C + B; capacity
-    # JOIN_CAPACITY x 5 = 10 (pack_rows) -> A, C, B in one sequence
     assert first_fit_decreasing([5, 2, 3], 5) == [[0], [2, 1]]
     assert first_fit_decreasing([5, 2, 3], 10) == [[0, 2, 1]]
+    # join_packs: capacities 199 .. 2 x 199 = 398 (JOIN_CAPACITY 2); positions run =
+    # sequences x width: cap 199 -> 3 x 199 = 597; cap 238 (122 + 116) -> [199], [122, 116]:
+    # 2 x 238 = 476; cap 315 -> [199, 116], [122]: 2 x 315 = 630; cap 321 -> 642; the sum
+    # 437 > 398 is out of bounds. Best: 476
     assert JOIN_CAPACITY == 2
+    assert join_packs([199, 122, 116]) == [[0], [1, 2]]
+    # equal cost (4 x 4 = 2 x 8 = 16): the narrower layout
+    assert join_packs([4, 4, 4, 4]) == [[0], [1], [2], [3]]
+    # packs: A = [5, 6, 7, 8, 10] (5 tokens), B = [5, 6] (2), C = prompt [9] + [8, 7, 6] ->
+    # [9, 8, 7] (3): [A], [C, B] (2 x 5 = 10, as wide as A alone) beats one sequence of 10
     seqs = [[5, 6, 7, 8, 9], [5, 6, 10, 11], [5, 6, 7], [9, 8, 7, 6]]
     starts = [1, 1, 0, 0]
     lay = pack_rows(seqs, starts)
-    assert lay.input_ids == [[5, 6, 7, 8, 10, 9, 8, 7, 5, 6]]
-    assert lay.position_ids == [[0, 1, 2, 3, 2, 0, 1, 2, 0, 1]]
-    assert lay.segments == [[-1, -1, 0, 0, 1, -1, 0, 0, -1, 0]]
-    assert lay.blocks == [[0] * 5 + [1] * 3 + [2] * 2]
-    assert lay.row_seq == [0, 0, 0, 0]
-    # B sits at offset 8 (its positions 0, 1 -> 8, 9), C at offset 5 (0, 1, 2 -> 5, 6, 7)
-    assert lay.row_positions == [[1, 2, 3], [1, 4], [8, 9], [5, 6, 7]]
+    assert lay.input_ids == [[5, 6, 7, 8, 10], [9, 8, 7, 5, 6]]
+    assert lay.position_ids == [[0, 1, 2, 3, 2], [0, 1, 2, 0, 1]]
+    assert lay.segments == [[-1, -1, 0, 0, 1], [-1, 0, 0, -1, 0]]
+    assert lay.blocks == [[0] * 5, [0, 0, 0, 1, 1]]
+    assert lay.row_seq == [0, 0, 1, 1]
+    # B sits at offset 3 of sequence 1: its positions 0, 1 -> 3, 4
+    assert lay.row_positions == [[1, 2, 3], [1, 4], [3, 4], [0, 1, 2]]
     assert pack_rows(seqs, starts, join=False).input_ids == [[5, 6, 7, 8, 10], [5, 6], [9, 8, 7]]
-    m = packed_attention(lay.segments, lay.blocks, lay.width)[0, 0].int()
-    # each pack sees only itself: A's second sample (4) sees A's prompt and itself; C's last
-    # input (7) sees C; B's prompt (8) only itself, B's sample (9) B's prompt and itself
-    assert m[4].tolist() == [1, 1, 0, 0, 1, 0, 0, 0, 0, 0]
-    assert m[7].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 0, 0]
-    assert m[8].tolist() == [0] * 8 + [1, 0]
-    assert m[9].tolist() == [0] * 8 + [1, 1]
+    m = packed_attention(lay.segments, lay.blocks, lay.width)
+    # sequence 1: C's tokens see C's prompt and their own sample; B's tokens see only B
+    assert m[1, 0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
 
 
 def test_packed_attention_by_hand():

@@ -27,9 +27,8 @@ PAD_SEGMENT = -2
 """Segment id of padding positions (the shared prompt is -1, samples are 0, 1, ...)."""
 
 JOIN_CAPACITY = 2
-"""Packs share a sequence up to this many times the longest pack's length (ours): padding
-falls (a micro-batch's packs differ in length when its rows are parts of groups), and no
-sequence's attention span grows by more than this factor."""
+"""Packs may share a sequence up to this many times the longest pack's length (ours), so no
+sequence's attention span grows by more than this factor (``join_packs``)."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,36 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return bins
 
 
+def join_packs(lengths: Sequence[int]) -> list[list[int]]:
+    """Which packs share a sequence: the ``first_fit_decreasing`` bins, over capacities from
+    the longest pack up to ``JOIN_CAPACITY`` times it, with the fewest positions run
+    (sequences x the longest sequence; ties: the narrower). A micro-batch's packs differ in
+    length when its rows are parts of groups; side by side they need less padding.
+
+    Capacities tried: the longest pack, every sum of two packs and the sum of all, within
+    the bound.
+    """
+    if not lengths:
+        return []
+    top = max(lengths)
+    bound = JOIN_CAPACITY * top
+    caps = {top, sum(lengths)} | {a + b for i, a in enumerate(lengths) for b in lengths[i + 1 :]}
+    best: tuple[int, int, list[list[int]]] | None = None
+    for cap in sorted(c for c in caps if top <= c <= bound):
+        bins = first_fit_decreasing(lengths, cap)
+        width = max(sum(lengths[i] for i in b) for b in bins)
+        if best is None or (len(bins) * width, width) < best[:2]:
+            best = (len(bins) * width, width, bins)
+    assert best is not None
+    return best[2]
+
+
 def pack_rows(
     seqs: Sequence[Sequence[int]], starts: Sequence[int], join: bool = True
 ) -> PackedLayout:
     """Pack rows that share a prompt into one pack each (packs in first-seen order).
 
-    ``join``: packs share a sequence where they fit beside each other
-    (``first_fit_decreasing``, capacity ``JOIN_CAPACITY`` x the longest pack); False: one
+    ``join``: packs share a sequence where that cuts padding (``join_packs``); False: one
     sequence per pack.
     """
     if len(seqs) != len(starts):
@@ -135,7 +157,7 @@ def pack_rows(
         seg[k] += [j] * max(0, len(response) - 1)
     lengths = [len(x) for x in ids]
     if join:
-        bins = first_fit_decreasing(lengths, JOIN_CAPACITY * max(lengths, default=0))
+        bins = join_packs(lengths)
     else:
         bins = [[k] for k in range(len(ids))]
     seq_of, offset = [0] * len(ids), [0] * len(ids)
