@@ -154,6 +154,20 @@ PACKABLE_ATTENTION = ("sdpa", "eager")
 """HF attention implementations that take the packed 4-D mask (others score unpacked)."""
 
 
+def packable(model: torch.nn.Module) -> bool:
+    """Whether ``model`` scores packed sequences exactly: an HF model whose attention takes
+    a custom 4-D mask as given (``sdpa``, ``eager``: transformers' ``masking_utils`` passes a
+    4-D mask through) and has only full-attention layers (a sliding window would be lost
+    under the custom mask)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "_attn_implementation", None) not in PACKABLE_ATTENTION:
+        return False
+    if getattr(cfg, "use_sliding_window", False):
+        return False
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return all(k == "full_attention" for k in kinds)
+
+
 def packed_token_logprobs(
     model: torch.nn.Module,
     seqs: Sequence[Sequence[int]],
@@ -167,17 +181,13 @@ def packed_token_logprobs(
     Rows that share a prompt (``seq[: start + 1]``) are scored in one packed sequence
     (``salvage.core.packing``). Returns the unpacked layout, shape (B, max len - 1), float32:
     each row's response log-probs at ``[start, len(seq) - 1)``, 0 elsewhere. Without a
-    shared prompt, or for a model whose attention takes no 4-D mask, it scores unpacked
-    (the prompt positions then hold their log-probs; mask them either way).
+    shared prompt, or for a model that cannot take the mask (``packable``), it scores
+    unpacked (the prompt positions then hold their log-probs; mask them either way).
     """
     from salvage.core.packing import has_shared_prompt, pack_rows, packed_attention
 
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if (
-        impl not in PACKABLE_ATTENTION
-        or min(starts, default=-1) < 0
-        or not has_shared_prompt(seqs, starts)
-    ):
+    if not packable(model) or min(starts, default=-1) < 0 or not has_shared_prompt(seqs, starts):
         ids, mask = pad_right(seqs, pad_id, device)
         return token_logprobs(model, ids, mask, temperature, first=min(starts, default=0))
     layout = pack_rows(seqs, starts)
