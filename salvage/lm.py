@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -195,7 +196,7 @@ def packed_token_logprobs(
     pos, _ = pad_right(layout.position_ids, 0, device)
     allowed = packed_attention(layout.segments, layout.blocks, ids.shape[1]).to(ids.device)
     if impl == "eager":  # eager adds the mask to the scores: 0 / most negative
-        dtype = model.get_input_embeddings().weight.dtype
+        dtype = cast(Any, model).get_input_embeddings().weight.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
         mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
     else:
@@ -211,7 +212,9 @@ def packed_token_logprobs(
     )
     logits = out.logits  # (sequences, W - first, V)
     width = max(len(s) for s in seqs) - 1
-    rows_at, cols_at, vals = [], [], []
+    rows_at: list[int] = []
+    cols_at: list[int] = []
+    vals: list[torch.Tensor] = []
     for k in range(len(layout.input_ids)):
         mine = [r for r, p in enumerate(layout.row_seq) if p == k and layout.row_positions[r]]
         if not mine:

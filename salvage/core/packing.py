@@ -132,7 +132,9 @@ def pack_rows(
     pos: list[list[int]] = []
     seg: list[list[int]] = []
     members: list[int] = []
-    row_pack, row_positions, row_targets = [], [], []
+    row_pack: list[int] = []
+    row_positions: list[list[int]] = []
+    row_targets: list[list[int]] = []
     for r, (s, a) in enumerate(zip(seqs, starts, strict=True)):
         if not 0 <= a < len(s):
             raise ValueError(f"pack_rows: row {r} has start {a} outside its {len(s)} tokens")
@@ -161,7 +163,10 @@ def pack_rows(
     else:
         bins = [[k] for k in range(len(ids))]
     seq_of, offset = [0] * len(ids), [0] * len(ids)
-    out_ids, out_pos, out_seg, out_blk = [], [], [], []
+    out_ids: list[list[int]] = []
+    out_pos: list[list[int]] = []
+    out_seg: list[list[int]] = []
+    out_blk: list[list[int]] = []
     for b, packs in enumerate(bins):
         out_ids.append([])
         out_pos.append([])
