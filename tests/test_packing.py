@@ -413,3 +413,32 @@ def test_graft_peer_rows_packed_equal_unpacked():
     assert _max_param_diff(m.b, base.b) <= 1e-5
     assert v.get("loss/peer_clip_frac") == pytest.approx(v0.get("loss/peer_clip_frac"), abs=1e-6)
     assert v["loss/kl"] == pytest.approx(v0["loss/kl"], abs=1e-6)
+
+
+def test_agent_turns_pack_only_identical_prompts():
+    """Two-turn episodes: every episode's first turn has the same prompt (packed), the
+    second turns differ (each its own pack, joined beside others); one update equals the
+    unpacked one."""
+    from salvage.modules.grpo import GRPOModule
+
+    tok = GRPOModule(policy=PolicySpec("tiny")).tokenizer
+    rng = random.Random(5)
+    first = _enc(tok, "You are in a kitchen. Admissible actions: [take coin, look]\n")
+    trajs = []
+    for e in range(4):
+        r1 = [rng.randrange(5, 300) for _ in range(rng.randrange(3, 8))]
+        p2 = first + r1 + _enc(tok, f"\nYou see {e} coins.\n")
+        r2 = [rng.randrange(5, 300) for _ in range(rng.randrange(3, 8))]
+        turns = [Turn(first, r1, [-6.0] * len(r1)), Turn(p2, r2, [-5.9] * len(r2))]
+        trajs.append(Trajectory(turns=turns, reward=float(e % 2), success=bool(e % 2)))
+    g = Group(task_id="ep", trajectories=trajs)
+    assign_advantages(g, "grpo", 1e-6, 1e-6, 1e-6)
+    batch = RolloutBatch(groups=[g])
+    kw = dict(micro_batch_size=8, kl_coef=0.02)
+    base, v0 = _updated(GRPOModule, batch, False, False, **kw)
+    m, v = _updated(GRPOModule, batch, True, True, **kw)
+    assert _max_param_diff(m, base) <= 1e-5
+    assert v["loss/policy"] == pytest.approx(v0["loss/policy"], abs=1e-5)
+    # the shared first-turn prompt ran once instead of four times
+    saved = base.forward_positions[1] - m.forward_positions[1]
+    assert saved == 3 * len(first) + 8  # + one dropped last token per row (8 rows)
