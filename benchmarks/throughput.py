@@ -20,11 +20,18 @@ model's run (same threads; ``benchmarks/probes.py``):
   and MFU = needed update FLOPs/s over the device's published dense bf16 peak.
 
 Times on a shared 2-core machine are noisy: compare rows measured in the same run.
+
+``--packing``: instead, one real rollout batch per model, then the same GRPO update on it
+(same starting weights, a fresh optimiser each time) with prompt packing and length-aware
+micro-batches off and on (``model.pack_prompts``, ``model.length_aware_micro_batches``),
+alternating, ``--repeats`` times each; prints the update times, their ratio, the padding
+fraction of the positions run and the tokens run relative to the unpacked update.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
@@ -137,6 +144,98 @@ def measure(
     return res
 
 
+class _Capture(L.Callback):
+    def __init__(self) -> None:
+        self.batch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.batch = copy.deepcopy(batch)
+
+
+VARIANTS = {"off": (False, False), "on": (True, True)}
+
+
+def measure_packing(
+    model: str, prompts: int, n: int, new_tokens: int, repeats: int
+) -> dict[str, dict[str, float]]:
+    """The update alone, packing + length-aware micro-batches off vs on, on one real batch."""
+    micro_batch = 8
+    module = GRPOModule(
+        policy=PolicySpec(model), lr=1e-6, num_minibatches=2, micro_batch_size=micro_batch
+    )
+    data = RLVRDataModule(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=200),
+        prompts_per_step=prompts,
+        group_size=n,
+        max_prompt_tokens=256,
+        engine=EngineConfig(max_new_tokens=new_tokens),
+    )
+    cap = _Capture()
+    with tempfile.TemporaryDirectory() as d:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[cap],
+            default_root_dir=d,
+        )
+        trainer.fit(module, datamodule=data)
+    assert cap.batch is not None
+    # a detached copy of the module: the timed updates run outside the trainer
+    learner = GRPOModule(
+        policy=PolicySpec(model), lr=1e-6, num_minibatches=2, micro_batch_size=micro_batch
+    )
+    learner.configure_model()
+    start = copy.deepcopy(learner.policy.state_dict())
+    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
+    out: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for name, (pack, la) in VARIANTS.items():
+            learner.policy.load_state_dict(start)
+            learner.hparams.pack_prompts, learner.hparams.length_aware_micro_batches = pack, la
+            opt = learner.configure_optimizers()["optimizer"]
+            before = list(learner.forward_positions)
+            t0 = time.perf_counter()
+            values = learner.update(copy.deepcopy(cap.batch), opt, None, 0)
+            times[name].append(time.perf_counter() - t0)
+            now = learner.forward_positions
+            run, real, scored = (now[i] - before[i] for i in range(3))
+            out[name] = {
+                "update_s": 0.0,
+                "positions": run,
+                "tokens": real,
+                "scored": scored,
+                "pad_frac": 1 - real / run,
+                "loss": values["loss/policy"],
+            }
+    for name in VARIANTS:
+        out[name]["update_s"] = statistics.median(times[name])
+        out[name]["tokens_vs_off"] = out[name]["tokens"] / out["off"]["tokens"]
+        out[name]["positions_vs_off"] = out[name]["positions"] / out["off"]["positions"]
+        out[name]["time_vs_off"] = out[name]["update_s"] / statistics.median(times["off"])
+    return out
+
+
+def main_packing(a: argparse.Namespace) -> None:
+    print(
+        f"\nGRPO update, packing + length-aware micro-batches off vs on, {a.prompts} prompts x "
+        f"{a.n} samples x <= {a.new_tokens} new tokens, micro-batch 8, 2 minibatches, median "
+        f"of {a.repeats} alternating, threads={torch.get_num_threads()}"
+    )
+    cols = ["update_s", "time_vs_off", "positions", "tokens", "scored", "pad_frac"]
+    cols += ["tokens_vs_off", "positions_vs_off", "loss"]
+    print("| model | variant | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for m in a.models:
+        res = measure_packing(m, a.prompts, a.n, a.new_tokens, a.repeats)
+        for name, r in res.items():
+            print(f"| {m} | {name} | " + " | ".join(f"{r[c]:.4g}" for c in cols) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", nargs="+", default=["tiny", "smollm2-135m-instruct"])
@@ -145,7 +244,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--packing", action="store_true", help="update only: packing off vs on")
+    ap.add_argument("--repeats", type=int, default=2, help="--packing: timed updates per variant")
     a = ap.parse_args()
+    if a.packing:
+        main_packing(a)
+        return
     results = {
         m: measure(m, a.steps, a.prompts, a.n, a.new_tokens, a.accelerator) for m in a.models
     }

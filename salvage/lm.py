@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -278,3 +278,139 @@ def target_scores(
         a = len(t.prompt_ids) - 1
         count[i, a : a + len(m)] = torch.tensor(m, dtype=lp.dtype, device=lp.device)
     return seq_mean_logprob(lp, count)
+
+
+PACKABLE_ATTENTION = ("sdpa", "eager")
+"""HF attention implementations that take the packed 4-D mask (others score unpacked)."""
+
+
+def packable(model: torch.nn.Module) -> bool:
+    """Whether ``model`` scores packed sequences exactly: an HF model whose attention takes
+    a custom 4-D mask as given (``sdpa``, ``eager``: transformers' ``masking_utils`` passes a
+    4-D mask through) and has only full-attention layers (a sliding window would be lost
+    under the custom mask)."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "_attn_implementation", None) not in PACKABLE_ATTENTION:
+        return False
+    if getattr(cfg, "use_sliding_window", False):
+        return False
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return all(k == "full_attention" for k in kinds)
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module,
+    seqs: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    pad_id: int,
+    temperature: float = 1.0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """``token_logprobs`` of right-padded ``seqs`` with each prompt computed once.
+
+    Rows that share a prompt (``seq[: start + 1]``) are scored in one packed sequence
+    (``salvage.core.packing``). Returns the unpacked layout, shape (B, max len - 1), float32:
+    each row's response log-probs at ``[start, len(seq) - 1)``, 0 elsewhere. Without a
+    shared prompt, or for a model that cannot take the mask (``packable``), it scores
+    unpacked (the prompt positions then hold their log-probs; mask them either way).
+    """
+    from salvage.core.packing import has_shared_prompt, pack_rows, packed_attention
+
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not packable(model) or min(starts, default=-1) < 0 or not has_shared_prompt(seqs, starts):
+        ids, mask = pad_right(seqs, pad_id, device)
+        return token_logprobs(model, ids, mask, temperature, first=min(starts, default=0))
+    layout = pack_rows(seqs, starts)
+    ids, _ = pad_right(layout.input_ids, pad_id, device)
+    pos, _ = pad_right(layout.position_ids, 0, device)
+    allowed = packed_attention(layout.segments, layout.blocks, ids.shape[1]).to(ids.device)
+    if impl == "eager":  # eager adds the mask to the scores: 0 / most negative
+        dtype = cast(Any, model).get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    else:
+        mask = allowed
+    W = ids.shape[1]
+    first = layout.first_needed
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        use_cache=False,
+        logits_to_keep=W - first,
+    )
+    logits = out.logits  # (sequences, W - first, V)
+    width = max(len(s) for s in seqs) - 1
+    rows_at: list[int] = []
+    cols_at: list[int] = []
+    vals: list[torch.Tensor] = []
+    for k in range(len(layout.input_ids)):
+        mine = [r for r, p in enumerate(layout.row_seq) if p == k and layout.row_positions[r]]
+        if not mine:
+            continue
+        at = [q - first for r in mine for q in layout.row_positions[r]]
+        tgt = [t for r in mine for t in layout.row_targets[r]]
+        lg = logits[k, torch.as_tensor(at, device=logits.device)].float()
+        if temperature != 1.0:
+            lg = lg / temperature
+        lp = torch.log_softmax(lg, dim=-1)
+        vals.append(lp.gather(-1, torch.as_tensor(tgt, device=lp.device)[:, None]).squeeze(-1))
+        for r in mine:
+            n = len(layout.row_targets[r])
+            rows_at += [r] * n
+            cols_at += range(layout.row_start[r], layout.row_start[r] + n)
+    got = torch.zeros(len(seqs), width, dtype=torch.float32, device=logits.device)
+    if not vals:
+        return got
+    index = (
+        torch.as_tensor(rows_at, device=got.device),
+        torch.as_tensor(cols_at, device=got.device),
+    )
+    return got.index_put(index, torch.cat(vals))
+
+
+def packed_target_scores(
+    model: torch.nn.Module,
+    targets: Sequence[SeqTarget],
+    pad_id: int,
+    device: torch.device | str | None,
+) -> torch.Tensor:
+    """``target_scores`` with targets that share a prompt scored in one packed sequence."""
+    seqs = [t.prompt_ids + t.response_ids for t in targets]
+    starts = [len(t.prompt_ids) - 1 for t in targets]
+    lp = packed_token_logprobs(model, seqs, starts, pad_id, 1.0, device)
+    count = torch.zeros_like(lp)
+    for i, t in enumerate(targets):
+        m = t.mask if t.mask is not None else [1] * len(t.response_ids)
+        a = len(t.prompt_ids) - 1
+        count[i, a : a + len(m)] = torch.tensor(m, dtype=lp.dtype, device=lp.device)
+    return seq_mean_logprob(lp, count)
+
+
+@torch.no_grad()
+def packed_response_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
+    temperature: float = 1.0,
+    batch_size: int = 8,
+) -> list[list[float]]:
+    """``response_logprobs`` with the responses of a shared prompt scored in one packed
+    sequence per batch of ``batch_size`` responses (GRAFT's peer responses)."""
+    device = next(model.parameters()).device
+    out: list[list[float]] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(prompts), batch_size):
+            ps = prompts[start : start + batch_size]
+            rs = responses[start : start + batch_size]
+            seqs = [list(p) + list(r) for p, r in zip(ps, rs, strict=True)]
+            starts = [len(p) - 1 for p in ps]
+            lp = packed_token_logprobs(model, seqs, starts, pad_id, temperature, device)
+            for i, (a, r) in enumerate(zip(starts, rs, strict=True)):
+                out.append(lp[i, a : a + len(r)].tolist())
+    finally:
+        model.train(was_training)
+    return out

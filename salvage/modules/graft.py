@@ -53,7 +53,13 @@ from salvage.distributed import (
     run_file,
     to_device,
 )
-from salvage.lm import DEFAULT_LOGPROB_CHUNK, response_logprobs, target_scores
+from salvage.lm import (
+    DEFAULT_LOGPROB_CHUNK,
+    packed_response_logprobs,
+    packed_target_scores,
+    response_logprobs,
+    target_scores,
+)
 from salvage.models import PolicySpec
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
@@ -129,6 +135,10 @@ class GRAFTModule(L.LightningModule):
         fsdp: FSDP2 sharding of both policies on the strategy's one mesh (as GRPOModule).
         logprob_chunk_size: positions per LM-head chunk when scoring tokens (as GRPOModule;
             0: the full logits at once).
+        pack_prompts: both policies score rows that share a prompt (a group's samples, a
+            peer group) in one packed sequence, each prompt once (as GRPOModule).
+        length_aware_micro_batches: both policies cut micro-batches from rows ordered by
+            length (as GRPOModule).
     """
 
     def __init__(
@@ -172,6 +182,8 @@ class GRAFTModule(L.LightningModule):
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
         logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+        pack_prompts: bool = True,
+        length_aware_micro_batches: bool = True,
     ) -> None:
         super().__init__()
         if balance not in BALANCE:
@@ -222,6 +234,8 @@ class GRAFTModule(L.LightningModule):
             min_lr_ratio=min_lr_ratio,
             seed=seed,
             fsdp=fsdp,
+            pack_prompts=pack_prompts,
+            length_aware_micro_batches=length_aware_micro_batches,
         )
         self.a = GRPOModule(policy=policy_a or PolicySpec("tiny"), lr=lr, **self._common)
         self.b = GRPOModule(
@@ -566,7 +580,8 @@ def sgt_auxiliary(learner: GRPOModule, targets: list[SeqTarget], weight: float) 
 
         def nll(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
             nonlocal total
-            scores = target_scores(learner.live_policy, part, pad, learner.device)
+            score = packed_target_scores if learner.hparams.pack_prompts else target_scores
+            scores = score(learner.live_policy, part, pad, learner.device)
             loss = completion_loss(scores).sum() / denom
             total += float(loss.detach())
             return weight * loss
@@ -666,7 +681,9 @@ def peer_turns(
                 ids.append(int(tok.eos_token_id))
             resp.append(ids or [int(tok.eos_token_id)])
             prompts.append(encode(turn.prompt_text) if encode is not None else own_prompt)
-    old = response_logprobs(
+    # responses to one prompt: packed (each prompt computed once) under pack_prompts
+    score = packed_response_logprobs if receiver.hparams.pack_prompts else response_logprobs
+    old = score(
         receiver.live_policy,
         prompts,
         resp,

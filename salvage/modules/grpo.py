@@ -31,6 +31,7 @@ from salvage.core.grpo import (
     aggregation_weights,
     kl_k3,
 )
+from salvage.core.packing import has_shared_prompt, micro_batch_order, pack_rows, prompt_key
 from salvage.core.policy_loss import LossInputs, row_policy_loss
 from salvage.core.seeds import permutation_seed
 from salvage.distributed import (
@@ -54,6 +55,7 @@ from salvage.distributed import (
 from salvage.lm import (
     DEFAULT_LOGPROB_CHUNK,
     bump_weights_version,
+    packed_token_logprobs,
     pad_right,
     set_logprob_chunk_size,
     token_logprobs,
@@ -158,6 +160,10 @@ class GRPOModule(L.LightningModule):
         logprob_chunk_size: positions per LM-head chunk when scoring tokens (update,
             reference, behaviour log-probs): at most this many x vocab logits exist at once
             instead of micro-batch x length x vocab; 0 computes the full logits at once.
+        pack_prompts: score the rows of a micro-batch that share a prompt in one packed
+            sequence, each prompt computed once (ours; the same loss; false: a padded row each).
+        length_aware_micro_batches: order each minibatch's rows by length (rows sharing a
+            prompt together) before cutting micro-batches, to cut padding (ours; same loss).
     """
 
     METRICS: tuple[str, ...] = TRAIN_METRICS
@@ -183,6 +189,8 @@ class GRPOModule(L.LightningModule):
         seed: int = 0,
         fsdp: FSDPConfig | None = None,
         logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+        pack_prompts: bool = True,
+        length_aware_micro_batches: bool = True,
     ) -> None:
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -230,6 +238,9 @@ class GRPOModule(L.LightningModule):
         self._step = 0
         self._count_step = True
         self.total_steps_hint: int | None = None
+        self.forward_positions = [0, 0, 0]
+        """Update forwards of the policy: [positions run (padding included), tokens run,
+        response tokens scored]; counted for benchmarks, never reset here."""
 
     @property
     def hparams(self) -> AttributeDict:
@@ -563,21 +574,47 @@ class GRPOModule(L.LightningModule):
         chunks = [order[i * len(order) // k : (i + 1) * len(order) // k] for i in range(k)]
         return [[r for t in chunk for r in per_traj[t]] for chunk in chunks]
 
+    def micro_order(self, rows: Sequence[_Row]) -> list[int]:
+        """The order in which ``rows`` are cut into micro-batches: as given, or (with
+        ``length_aware_micro_batches``) by length, rows sharing a prompt together when
+        ``pack_prompts`` is on. Only the order of gradient accumulation changes."""
+        if not self.hparams.length_aware_micro_batches:
+            return list(range(len(rows)))
+        lengths = [len(r.ids) for r in rows]
+        if not self.hparams.pack_prompts:
+            return micro_batch_order(lengths)
+        keys = [prompt_key(r.ids, r.start) for r in rows]
+        return micro_batch_order(lengths, keys, [r.start + 1 for r in rows])
+
+    def row_logprobs(
+        self, model: torch.nn.Module, part: Sequence[_Row], tb: TokenBatch, temperature: float
+    ) -> torch.Tensor:
+        """Token log-probs of a micro-batch in ``tb``'s layout: packed by shared prompts
+        (``pack_prompts``) or one padded row per sequence."""
+        if self.hparams.pack_prompts:
+            return packed_token_logprobs(
+                model,
+                [r.ids for r in part],
+                [r.start for r in part],
+                int(self.tokenizer.pad_token_id),
+                temperature,
+                self.device,
+            )
+        # the LM head runs from the first response position of the micro-batch on
+        first = min(r.start for r in part)
+        return token_logprobs(model, tb.input_ids, tb.attention_mask, temperature, first=first)
+
     @torch.no_grad()
     def _ref_logprobs(self, rows: list[_Row], temperature: float) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         mbs = self.hparams.micro_batch_size
+        order = self.micro_order(rows)
         for s in range(0, len(rows), mbs):
-            part = rows[s : s + mbs]
-            tb = self.collate(part)
-            lp = token_logprobs(
-                self.reference,
-                tb.input_ids,
-                tb.attention_mask,
-                temperature,
-                first=min(r.start for r in part),
-            )
-            out.extend(lp[i] for i in range(len(part)))
+            idx = order[s : s + mbs]
+            part = [rows[i] for i in idx]
+            lp = self.row_logprobs(self.reference, part, self.collate(part), temperature)
+            for j, i in enumerate(idx):
+                out[i] = lp[j]
         return out
 
     def _update_minibatch(
@@ -614,16 +651,11 @@ class GRPOModule(L.LightningModule):
             "peer_w": 0.0,
         }
 
-        def micro(s: int, part: Sequence[_Row]) -> torch.Tensor:
-            tb = self.collate(list(part))
-            # the LM head runs from the first response position of the micro-batch on
-            lp = token_logprobs(
-                self.live_policy,
-                tb.input_ids,
-                tb.attention_mask,
-                temperature,
-                first=min(r.start for r in part),
-            )
+        def micro(_: int, idx: Sequence[int]) -> torch.Tensor:
+            part = [rows[i] for i in idx]
+            tb = self.collate(part)
+            lp = self.row_logprobs(self.live_policy, part, tb, temperature)
+            self._count_positions(part)
             # each row's tokens take its registered policy loss (clip, luffy, sequence, ...)
             seq = [r.seq_ratio or (0.0, 0.0, math.inf) for r in part]
             has_seq = any(r.seq_ratio is not None for r in part)
@@ -642,14 +674,14 @@ class GRPOModule(L.LightningModule):
             ratio = torch.exp(lp - tb.old_logprobs).detach()
             aw = torch.zeros_like(lp)
             for i, r in enumerate(part):
-                aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[s + i].to(self.device)
+                aw[i, r.start : r.start + len(r.old_logprobs)] = per_row_w[idx[i]].to(self.device)
             aw = aw * tb.response_mask
             pol = (aw * tb.weights * loss_tok).sum()
             loss = pol
             if ref_lp is not None:
                 ref = torch.zeros_like(lp)
                 for i in range(len(part)):
-                    rl = ref_lp[row_ids[s + i]]
+                    rl = ref_lp[row_ids[idx[i]]]
                     ref[i, : rl.shape[0]] = rl[: ref.shape[1]]
                 kl = (aw * kl_k3(lp, ref)).sum()
                 loss = loss + hp.kl_coef * kl
@@ -664,7 +696,8 @@ class GRPOModule(L.LightningModule):
             stats["ratio"] += float((aw * ratio).sum().detach())
             return loss * scale if n_world > 1 else loss
 
-        finite = self.micro_steps(rows, hp.micro_batch_size, micro)
+        # micro-batches in length order (per-row weights above stay the minibatch's)
+        finite = self.micro_steps(self.micro_order(rows), hp.micro_batch_size, micro)
         if finite and extra is not None:
             aux = extra()
             finite = aux is None or bool(torch.isfinite(aux))
@@ -703,6 +736,19 @@ class GRPOModule(L.LightningModule):
             self.step_metrics.update("loss/kl", stats["kl"], n_tok)
         self.step_metrics.update("loss/total", stats["policy"] + hp.kl_coef * stats["kl"], n_tok)
         return True
+
+    def _count_positions(self, part: Sequence[_Row]) -> None:
+        if self.hparams.pack_prompts:
+            seqs, starts = [r.ids for r in part], [r.start for r in part]
+            if has_shared_prompt(seqs, starts):
+                layout = pack_rows(seqs, starts)
+                self.forward_positions[0] += len(layout.input_ids) * layout.width
+                self.forward_positions[1] += sum(len(s) for s in layout.input_ids)
+                self.forward_positions[2] += sum(len(r.ids) - 1 - r.start for r in part)
+                return
+        self.forward_positions[0] += len(part) * max(len(r.ids) for r in part)
+        self.forward_positions[1] += sum(len(r.ids) for r in part)
+        self.forward_positions[2] += sum(len(r.ids) - 1 - r.start for r in part)
 
     def backward_loss(self, loss: torch.Tensor) -> None:
         """Backward through the strategy when attached to a trainer (plain autograd otherwise)."""
