@@ -93,6 +93,10 @@ class _ChunkedHead(torch.nn.Module):
         self.chunk = chunk
         self.temperature = temperature
         self.targets: torch.Tensor | None = None
+        self.items: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Packed sequences: (sequence, kept position) of each target in ``targets`` (N,),
+        a position possibly repeated (a shared prompt's last position predicts the first
+        token of every sample); the head then returns the N log-probs."""
 
     def score(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         lg = self.head(hidden).float()
@@ -106,10 +110,14 @@ class _ChunkedHead(torch.nn.Module):
         targets = self.targets
         if targets is None:
             raise RuntimeError("_ChunkedHead called without targets")
-        B, n = targets.shape
-        # the positions that predict the targets: all kept ones but the last
-        h = hidden[:, hidden.shape[1] - n - 1 : -1].reshape(B * n, hidden.shape[-1])
-        flat = targets.reshape(B * n)
+        if self.items is not None:  # packed: the listed positions, one target each
+            h = hidden[self.items[0], self.items[1]]
+            flat = targets
+            B, n = 1, targets.shape[0]
+        else:  # the positions that predict the targets: all kept ones but the last
+            B, n = targets.shape
+            h = hidden[:, hidden.shape[1] - n - 1 : -1].reshape(B * n, hidden.shape[-1])
+            flat = targets.reshape(B * n)
         parts = []
         for s in range(0, B * n, self.chunk):
             hc, tc = h[s : s + self.chunk], flat[s : s + self.chunk]
@@ -332,6 +340,10 @@ def packed_token_logprobs(
         mask = allowed
     W = ids.shape[1]
     first = layout.first_needed
+    chunk = logprob_chunk_size(model)
+    name = _head_name(model) if chunk > 0 else None
+    if name is not None:  # the LM head in chunks, as token_logprobs (one target per position)
+        return _packed_chunked(model, name, chunk, layout, ids, mask, pos, seqs, temperature)
     out = model(
         input_ids=ids,
         attention_mask=mask,
@@ -367,6 +379,59 @@ def packed_token_logprobs(
         torch.as_tensor(cols_at, device=got.device),
     )
     return got.index_put(index, torch.cat(vals))
+
+
+def _packed_chunked(
+    model: torch.nn.Module,
+    name: str,
+    chunk: int,
+    layout: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    seqs: Sequence[Sequence[int]],
+    temperature: float,
+) -> torch.Tensor:
+    """``packed_token_logprobs`` with the LM head run ``chunk`` scored tokens at a time: the
+    head gets the (sequence, position, target) of every needed token and returns their
+    log-probs, which go back to each row's layout."""
+    first = layout.first_needed
+    rows_at: list[int] = []
+    cols_at: list[int] = []
+    seq_at: list[int] = []
+    pos_at: list[int] = []
+    tgt: list[int] = []
+    for r, k in enumerate(layout.row_seq):
+        at = [q - first for q in layout.row_positions[r]]
+        n = len(at)
+        rows_at += [r] * n
+        cols_at += range(layout.row_start[r], layout.row_start[r] + n)
+        seq_at += [k] * n
+        pos_at += at
+        tgt += list(layout.row_targets[r])
+    width = max(len(s) for s in seqs) - 1
+    dev = ids.device
+    got = torch.zeros(len(seqs), width, dtype=torch.float32, device=dev)
+    if not tgt:
+        return got
+    head = getattr(model, name)
+    wrapper = _ChunkedHead(head, chunk, temperature)
+    wrapper.targets = torch.as_tensor(tgt, device=dev)
+    wrapper.items = (torch.as_tensor(seq_at, device=dev), torch.as_tensor(pos_at, device=dev))
+    setattr(model, name, wrapper)
+    try:
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=False,
+            logits_to_keep=ids.shape[1] - first,
+        )
+    finally:
+        setattr(model, name, head)
+    vals = out.logits.reshape(-1)  # the N scored tokens' log-probs, in order
+    index = (torch.as_tensor(rows_at, device=dev), torch.as_tensor(cols_at, device=dev))
+    return got.index_put(index, vals.to(got.device))
 
 
 def packed_target_scores(

@@ -158,6 +158,45 @@ def test_packed_token_logprobs_equal_unpacked_on_tiny(impl):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_packed_sequences_take_the_lm_head_in_chunks():
+    """Packed scoring runs the head ``logprob_chunk_size`` scored tokens at a time (a shared
+    prompt's last position scored once per sample) with the same values and gradients as
+    the full logits."""
+    from salvage.lm import set_logprob_chunk_size
+    from salvage.models import load_model, load_tokenizer
+
+    spec = PolicySpec("tiny")
+    tok = load_tokenizer(spec)
+    model = load_model(spec, tok)
+    gen = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(5, 400, (n,), generator=gen).tolist()  # noqa: E731
+    p1, p2 = rand(6), rand(3)
+    seqs = [p1 + rand(n) for n in (4, 2, 5)] + [p2 + rand(n) for n in (3, 1)]
+    starts = [5] * 3 + [2] * 2
+    seen = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[-2]))
+    results = {}
+    for chunk in (0, 3, 1024):
+        set_logprob_chunk_size(model, chunk)
+        seen.clear()
+        model.zero_grad()
+        lp = packed_token_logprobs(model, seqs, starts, tok.pad_token_id, 0.7)
+        lp.sum().backward()
+        results[chunk] = (lp.detach(), [p.grad.clone() for p in model.parameters()], list(seen))
+    hook.remove()
+    full, g_full, _ = results[0]
+    n_scored = sum(len(s) - 1 - a for s, a in zip(seqs, starts, strict=True))
+    for chunk in (3, 1024):
+        lp, grads, sizes = results[chunk]
+        assert (lp - full).abs().max() <= 1e-6
+        for a, b in zip(grads, g_full, strict=True):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+        assert max(sizes) <= chunk  # never more than one chunk of logits at once
+    # every scored token once per pass (and once more in the backward recomputation)
+    assert sum(results[3][2]) == 2 * n_scored
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_packed_token_logprobs_under_bf16(impl):
     """bf16 weights (the eager mask is bf16 too) and bf16 autocast: finite, and as close to
