@@ -4,7 +4,7 @@ the weights version an engine holding a copy of a policy syncs on."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -178,28 +178,46 @@ def token_logprobs(
     head = getattr(model, name)
     wrapper = _ChunkedHead(head, chunk, temperature)
     setattr(model, name, wrapper)
+
+    def aim(f: int) -> None:  # the targets of the positions kept from ``f``
+        wrapper.targets = input_ids[:, 1 + f :]
+
     try:
-        out = None
-        if first:
-            wrapper.targets = input_ids[:, 1 + first :]
-            try:
-                out = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    use_cache=False,
-                    logits_to_keep=T - first,
-                )
-            except TypeError:  # a model without logits_to_keep: score every position
-                first = 0
-        if out is None:
-            wrapper.targets = input_ids[:, 1:]
-            out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out, first = _forward_from(model, input_ids, attention_mask, first, aim)
     finally:
         setattr(model, name, head)
     got = out.logits
     if first:
         got = torch.cat([got.new_zeros(got.shape[0], first), got], dim=1)
     return got
+
+
+def _forward_from(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    first: int,
+    before: Callable[[int], None] | None = None,
+) -> tuple[Any, int]:
+    """The model's forward with the LM head from position ``first`` on (HF
+    ``logits_to_keep``); a model without ``logits_to_keep`` runs it on every position
+    (``first`` becomes 0). ``before(first)`` runs before each call. Returns (output, first)."""
+    if first:
+        if before is not None:
+            before(first)
+        try:
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=False,
+                logits_to_keep=input_ids.shape[1] - first,
+            )
+            return out, first
+        except TypeError:  # a model without logits_to_keep: score every position
+            pass
+    if before is not None:
+        before(0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False), 0
 
 
 def _full_logprobs(
@@ -210,19 +228,7 @@ def _full_logprobs(
     first: int,
 ) -> torch.Tensor:
     """``token_logprobs`` from the full logits of the scored positions."""
-    T = input_ids.shape[1]
-    if first:
-        try:
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                use_cache=False,
-                logits_to_keep=T - first,
-            )
-        except TypeError:  # a model without logits_to_keep: score every position
-            first = 0
-    if not first:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    out, first = _forward_from(model, input_ids, attention_mask, first)
     logits = out.logits[:, :-1, :]
     targets = input_ids[:, 1 + first :]
     rows = []
