@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from scripted_policies import ScriptedPolicy
 
 from salvage.core.dynamic_sampling import Refill, draw_tasks, has_signal
 from salvage.core.gigpo import (
@@ -203,35 +204,13 @@ def test_agent_datamodule_writes_gigpo_turn_advantages():
 # ---------------------------------------------------------------- dynamic sampling, shell
 
 
-class _HalfStudent:
+class _HalfStudent(ScriptedPolicy):
     """Scripted student: on a task whose solution starts with "a", the first episode of each
     group (row % 4 == 0 while all 4 are alive) plays the expert and wins; every other
     episode plays "x" (valid, loses). So "a"-tasks' groups have signal, the others not."""
 
-    needs_oracle = False
-
-    def __init__(self, tok, fmt):
-        self.tok, self.fmt = tok, fmt
-
-    def encode(self, prompt):
-        return list(self.tok(prompt, add_special_tokens=False)["input_ids"])[-200:]
-
-    def respond(self, prompts, infos, seed):
-        from salvage.core.agent import format_action
-        from salvage.rollout.agent import Response
-
-        out = []
-        for row, (p, info) in enumerate(zip(prompts, infos, strict=True)):
-            expert = info.get("oracle_action")  # None once the path is dead
-            winner = row % 4 == 0 and info["task_description"].startswith("reach a")
-            text = format_action(expert if winner and expert else "x", self.fmt)
-            ids = self.encode(text)
-            out.append(Response(text, self.encode(p), ids, [0.0] * len(ids)))
-        return out
-
-    @property
-    def tokenizer(self):
-        return self.tok
+    def expert(self, prompt, info, row):
+        return row % 4 == 0 and info["task_description"].startswith("reach a")
 
 
 def _dapo_run(tmp_path, max_rounds):

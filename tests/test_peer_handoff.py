@@ -10,9 +10,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from scripted_policies import RightFromDepth
 
 from salvage.callbacks.peer_handoff import PeerHandoff
-from salvage.core.agent import AgentFormat, format_action
+from salvage.core.agent import AgentFormat
 from salvage.core.relay import RelayConfig
 from salvage.datamodules.agent import EnvSpec
 from salvage.datamodules.agent_peers import AgentPeersDataModule
@@ -20,34 +21,6 @@ from salvage.errors import ConfigError
 from salvage.models import PolicySpec
 from salvage.modules.graft import GRAFTModule
 from salvage.modules.peer_handoff import PeerHandoffModule
-from salvage.rollout.agent import Response
-
-
-class Scripted:
-    """The scripted env's right action from depth ``k`` on, a wrong one before; real tokens
-    of the student's own tokenizer (the scripted env carries its oracle action in every info)."""
-
-    needs_oracle = False
-
-    def __init__(self, tok, fmt, k):
-        self.tok, self.fmt, self.k = tok, fmt, k
-
-    @property
-    def tokenizer(self):
-        return self.tok
-
-    def encode(self, prompt):
-        return list(self.tok(prompt, add_special_tokens=False)["input_ids"])[-200:]
-
-    def respond(self, prompts, infos, seed):
-        out = []
-        for p, info in zip(prompts, infos, strict=True):
-            depth = int(p.split("Current step: ")[1].split(" ")[0])
-            a = info.get("oracle_action") if depth >= self.k else None
-            text = format_action(a or "x", self.fmt)
-            ids = self.encode(text)
-            out.append(Response(text, self.encode(p), ids, [-1.0] * len(ids)))
-        return out
 
 
 class ScriptedPeers(AgentPeersDataModule):
@@ -56,7 +29,7 @@ class ScriptedPeers(AgentPeersDataModule):
     K = {"a": 0, "b": 3}
 
     def student_policy(self, name):
-        return Scripted(self._learner(name).tokenizer, self.fmt, self.K[name])
+        return RightFromDepth(self._learner(name).tokenizer, self.fmt, self.K[name], logprob=-1.0)
 
 
 class Capture(L.Callback):

@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from scripted_policies import RightFromDepth
 
 from salvage.callbacks.cost import CostTracker
 from salvage.callbacks.relay import (
@@ -26,13 +27,12 @@ from salvage.callbacks.relay import (
     TeacherSpec,
     VerifiedHandoff,
 )
-from salvage.core.agent import AgentFormat, format_action
+from salvage.core.agent import AgentFormat
 from salvage.core.losses import completion_loss, pair_loss, seq_mean_logprob
 from salvage.core.relay import RelayConfig
 from salvage.datamodules.agent import AgentDataModule, EnvSpec
 from salvage.models import PolicySpec
 from salvage.modules.vhgpo import VHGPOModule
-from salvage.rollout.agent import Response
 from salvage.types import RelayData, RolloutBatch, SeqTarget
 
 # ---------------------------------------------------------------- losses by hand
@@ -113,38 +113,12 @@ def test_pair_term_at_reference_is_log2_and_lambda_zero_omits():
 
 # ---------------------------------------------------------------- scripted end to end
 
-K = 3  # the scripted student is right from depth K on
-
-
-class ScriptedStudent:
-    """Right action from depth >= K while the path is alive, else a wrong one; real tokens."""
-
-    needs_oracle = False  # the scripted env puts its oracle action in every info
-
-    def __init__(self, tok, fmt):
-        self.tok, self.fmt = tok, fmt
-
-    def encode(self, prompt):
-        return list(self.tok(prompt, add_special_tokens=False)["input_ids"])[-200:]
-
-    def respond(self, prompts, infos, seed):
-        out = []
-        for p, info in zip(prompts, infos, strict=True):
-            depth = int(p.split("Current step: ")[1].split(" ")[0])
-            a = info.get("oracle_action") if depth >= K else None
-            text = format_action(a or "x", self.fmt)
-            ids = self.encode(text)
-            out.append(Response(text, self.encode(p), ids, [0.0] * len(ids)))
-        return out
-
-    @property
-    def tokenizer(self):
-        return self.tok
+K = 3  # the scripted student is right from depth K on (tests/scripted_policies.py)
 
 
 class ScriptedAgentData(AgentDataModule):
     def student(self):
-        return ScriptedStudent(self.trainer.lightning_module.tokenizer, self.fmt)
+        return RightFromDepth(self.trainer.lightning_module.tokenizer, self.fmt, K)
 
 
 class Capture(L.Callback):
