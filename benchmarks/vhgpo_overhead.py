@@ -4,6 +4,9 @@
 
 ``--source-rate``: the source's batch shape and rescue cap (16 tasks x 8 rollouts per
 update, at most 2 rescued groups), so the extra-token ratio is measured at its rescue rate.
+``--before``: both runs with issue 16's performance switches off (``generate`` decode,
+recomputed behaviour log-probs, no prompt packing, no length order, full logits), to compare
+the ratio with and without them.
 
 Runs ``configs/vhgpo/twx_tiny.yaml`` twice in one process, same seed and SFT warm start:
 with the ``VerifiedHandoff`` rescue stage and with none (plain GRPO), and prints
@@ -55,12 +58,21 @@ def main() -> None:
         action="store_true",
         help="16 tasks x 8 rollouts, <= 2 rescued groups per update",
     )
+    ap.add_argument("--before", action="store_true", help="issue 16's switches off")
     a = ap.parse_args()
     shape = (
         ["--data.init_args.tasks_per_step", "16", "--data.init_args.group_size", "8"]
         if a.source_rate
         else []
     )
+    if a.before:
+        shape += [
+            "--model.init_args.pack_prompts=false",
+            "--model.init_args.length_aware_micro_batches=false",
+            "--model.init_args.logprob_chunk_size=0",
+            "--data.init_args.engine.hf_decode_loop=generate",
+            "--data.init_args.engine.hf_recompute_logprobs=true",
+        ]
     with tempfile.TemporaryDirectory() as d:
         vh = run(a.steps, shape, Path(d) / "vhgpo")
         base = run(
