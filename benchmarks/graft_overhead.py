@@ -18,9 +18,8 @@ GRAFTModule records no timings of its own; the benchmark wraps, from the outside
 - ``salvage.modules.graft.select_transfers`` and ``GRAFTModule.receive`` (both directions):
   the exchange: complementary-prompt selection, re-tokenising each peer response with the
   receiver's tokenizer, the receiver's pi_old likelihood pass, weights, group replacement;
-- ``salvage.modules.graft.response_logprobs`` and ``packed_response_logprobs`` (the latter
-  under ``pack_prompts``, the default), called inside ``receive``: the receiver's likelihood
-  pass alone (the rest of ``receive`` is mostly re-tokenisation);
+- ``salvage.modules.graft.response_logprobs`` (packed or not), called inside ``receive``:
+  the receiver's likelihood pass alone (the rest of ``receive`` is mostly re-tokenisation);
 - ``GraftDataModule._both`` (the two rollouts, with rewards) and
   ``GRAFTModule._update_both`` (the two GRPO updates);
 - step: wall time between consecutive ``on_train_batch_end`` (the first step is warm-up).
@@ -106,14 +105,12 @@ def measure(pair: str, steps: int) -> dict[str, float]:
     )
     tm = Timers()
     orig_select, orig_lp = graft_mod.select_transfers, graft_mod.response_logprobs
-    orig_packed = graft_mod.packed_response_logprobs
 
     def count_lp(t: Timers, a, kw, out) -> None:  # noqa: ANN001
         t.add("peer_responses", float(len(out)))
 
     tm.wrap(graft_mod, "select_transfers", "exchange")
     tm.wrap(graft_mod, "response_logprobs", "likelihood", count_lp)
-    tm.wrap(graft_mod, "packed_response_logprobs", "likelihood", count_lp)
     tm.wrap(module, "receive", "exchange")
     tm.wrap(module, "_update_both", "update")
     tm.wrap(data, "_both", "rollout")
@@ -144,7 +141,6 @@ def measure(pair: str, steps: int) -> dict[str, float]:
             trainer.fit(module, datamodule=data)
     finally:
         graft_mod.select_transfers, graft_mod.response_logprobs = orig_select, orig_lp
-        graft_mod.packed_response_logprobs = orig_packed
     rows = tm.steps[1:]
     step_s = [b - a for a, b in zip(tm.step_end, tm.step_end[1:], strict=False)]
     med = statistics.median

@@ -252,8 +252,13 @@ def response_logprobs(
     pad_id: int,
     temperature: float = 1.0,
     batch_size: int = 8,
+    *,
+    packed: bool = False,
 ) -> list[list[float]]:
-    """Log-probs of each response token given its prompt, by teacher-forced forward passes."""
+    """Log-probs of each response token given its prompt, by teacher-forced forward passes.
+
+    ``packed``: responses of a shared prompt in one packed sequence per batch of
+    ``batch_size`` (``packed_token_logprobs``; the same values)."""
     device = next(model.parameters()).device
     out: list[list[float]] = []
     was_training = model.training
@@ -263,10 +268,9 @@ def response_logprobs(
             ps = prompts[start : start + batch_size]
             rs = responses[start : start + batch_size]
             seqs = [list(p) + list(r) for p, r in zip(ps, rs, strict=True)]
-            ids, mask = pad_right(seqs, pad_id, device)
-            lp = token_logprobs(model, ids, mask, temperature, first=min(len(p) for p in ps) - 1)
-            for i, (p, r) in enumerate(zip(ps, rs, strict=True)):
-                a = len(p) - 1
+            starts = [len(p) - 1 for p in ps]
+            lp = _score_rows(model, seqs, starts, pad_id, temperature, device, packed)
+            for i, (a, r) in enumerate(zip(starts, rs, strict=True)):
                 out.append(lp[i, a : a + len(r)].tolist())
     finally:
         model.train(was_training)
@@ -278,14 +282,18 @@ def target_scores(
     targets: Sequence[SeqTarget],
     pad_id: int,
     device: torch.device | str | None,
+    *,
+    packed: bool = False,
 ) -> torch.Tensor:
     """s(y|h) per target: the mean log-prob of its counted response tokens (temperature 1).
 
     The one masked-likelihood score of the package: VH-GPO's pair / bridge / resume terms
     and SGT's NLL term (``-s``) all score with it. Differentiable (no ``no_grad``).
+    ``packed``: targets that share a prompt in one packed sequence (the same values).
     """
-    ids, mask = pad_right([t.prompt_ids + t.response_ids for t in targets], pad_id, device)
-    lp = token_logprobs(model, ids, mask, 1.0)
+    seqs = [t.prompt_ids + t.response_ids for t in targets]
+    starts = [len(t.prompt_ids) - 1 for t in targets]
+    lp = _score_rows(model, seqs, starts, pad_id, 1.0, device, packed)
     count = torch.zeros_like(lp)
     for i, t in enumerate(targets):
         m = t.mask if t.mask is not None else [1] * len(t.response_ids)
@@ -440,48 +448,18 @@ def _packed_chunked(
     return got.index_put(index, vals.to(got.device))
 
 
-def packed_target_scores(
+def _score_rows(
     model: torch.nn.Module,
-    targets: Sequence[SeqTarget],
+    seqs: Sequence[Sequence[int]],
+    starts: Sequence[int],
     pad_id: int,
+    temperature: float,
     device: torch.device | str | None,
+    packed: bool,
 ) -> torch.Tensor:
-    """``target_scores`` with targets that share a prompt scored in one packed sequence."""
-    seqs = [t.prompt_ids + t.response_ids for t in targets]
-    starts = [len(t.prompt_ids) - 1 for t in targets]
-    lp = packed_token_logprobs(model, seqs, starts, pad_id, 1.0, device)
-    count = torch.zeros_like(lp)
-    for i, t in enumerate(targets):
-        m = t.mask if t.mask is not None else [1] * len(t.response_ids)
-        a = len(t.prompt_ids) - 1
-        count[i, a : a + len(m)] = torch.tensor(m, dtype=lp.dtype, device=lp.device)
-    return seq_mean_logprob(lp, count)
-
-
-@torch.no_grad()
-def packed_response_logprobs(
-    model: torch.nn.Module,
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    pad_id: int,
-    temperature: float = 1.0,
-    batch_size: int = 8,
-) -> list[list[float]]:
-    """``response_logprobs`` with the responses of a shared prompt scored in one packed
-    sequence per batch of ``batch_size`` responses (GRAFT's peer responses)."""
-    device = next(model.parameters()).device
-    out: list[list[float]] = []
-    was_training = model.training
-    model.eval()
-    try:
-        for start in range(0, len(prompts), batch_size):
-            ps = prompts[start : start + batch_size]
-            rs = responses[start : start + batch_size]
-            seqs = [list(p) + list(r) for p, r in zip(ps, rs, strict=True)]
-            starts = [len(p) - 1 for p in ps]
-            lp = packed_token_logprobs(model, seqs, starts, pad_id, temperature, device)
-            for i, (a, r) in enumerate(zip(starts, rs, strict=True)):
-                out.append(lp[i, a : a + len(r)].tolist())
-    finally:
-        model.train(was_training)
-    return out
+    """Token log-probs of ``seqs`` whose responses start after ``starts`` (B, max len - 1):
+    packed (each shared prompt once) or one right-padded row each."""
+    if packed:
+        return packed_token_logprobs(model, seqs, starts, pad_id, temperature, device)
+    ids, mask = pad_right(seqs, pad_id, device)
+    return token_logprobs(model, ids, mask, temperature, first=min(starts, default=0))

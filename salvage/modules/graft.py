@@ -55,8 +55,6 @@ from salvage.distributed import (
 )
 from salvage.lm import (
     DEFAULT_LOGPROB_CHUNK,
-    packed_response_logprobs,
-    packed_target_scores,
     response_logprobs,
     target_scores,
 )
@@ -580,8 +578,9 @@ def sgt_auxiliary(learner: GRPOModule, targets: list[SeqTarget], weight: float) 
 
         def nll(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
             nonlocal total
-            score = packed_target_scores if learner.hparams.pack_prompts else target_scores
-            scores = score(learner.live_policy, part, pad, learner.device)
+            scores = target_scores(
+                learner.live_policy, part, pad, learner.device, packed=learner.hparams.pack_prompts
+            )
             loss = completion_loss(scores).sum() / denom
             total += float(loss.detach())
             return weight * loss
@@ -682,14 +681,14 @@ def peer_turns(
             resp.append(ids or [int(tok.eos_token_id)])
             prompts.append(encode(turn.prompt_text) if encode is not None else own_prompt)
     # responses to one prompt: packed (each prompt computed once) under pack_prompts
-    score = packed_response_logprobs if receiver.hparams.pack_prompts else response_logprobs
-    old = score(
+    old = response_logprobs(
         receiver.live_policy,
         prompts,
         resp,
         int(tok.pad_token_id),
         temperature=temperature,
         batch_size=receiver.hparams.micro_batch_size,
+        packed=receiver.hparams.pack_prompts,
     )
     out: list[list[Turn]] = []
     k = 0

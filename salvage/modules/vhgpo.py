@@ -23,7 +23,7 @@ import torch
 
 from salvage.core.losses import completion_loss, pair_loss
 from salvage.distributed import gathered
-from salvage.lm import packed_target_scores, target_scores
+from salvage.lm import target_scores
 from salvage.modules.grpo import TRAIN_METRICS, Auxiliary, GRPOModule
 from salvage.types import RolloutBatch, SeqTarget
 
@@ -94,8 +94,8 @@ class VHGPOModule(GRPOModule):
     def scores(self, model: torch.nn.Module, items: Sequence[SeqTarget]) -> torch.Tensor:
         """s(y|h) per item: mean log-prob of the counted response tokens (temperature 1);
         items that share a history h (a pair's two actions) are packed (``pack_prompts``)."""
-        score = packed_target_scores if self.hparams.pack_prompts else target_scores
-        return score(model, items, int(self.tokenizer.pad_token_id), self.device)
+        pad = int(self.tokenizer.pad_token_id)
+        return target_scores(model, items, pad, self.device, packed=self.hparams.pack_prompts)
 
     def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
         """Backpropagate the auxiliary terms of ``batch.relays``; their detached total."""
