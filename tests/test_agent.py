@@ -163,8 +163,54 @@ def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
     steps = [r for r in rows if r.get("rollout/turns")]
     assert len(steps) == 2 and float(steps[0]["rollout/turns"]) > 1
     assert float(steps[0]["rollout/invalid_turn_frac"]) > 0 and steps[0]["env/errors"] == "0.0"
+    # the untrained student rambles: some turns end at max_new_tokens, and a cut-off answer
+    # has no closing tag, so those turns are among the invalid ones
+    trunc = float(steps[0]["rollout/truncated_frac"])
+    assert 0 < trunc <= float(steps[0]["rollout/invalid_turn_frac"])
     proc = subprocess.run(
         [*base, "test", *cfg], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/success/coin" in proc.stdout and "eval/success " in proc.stdout.replace("│", " ")
+
+
+def test_oracle_sft_refuses_a_max_new_tokens_too_short_for_the_oracle_actions(tmp_path):
+    """Regression: the BPE-384 `tiny` student needs 25 tokens for
+    '<think></think><action>move north</action>' (its stop string ends it there), so at
+    max_new_tokens 24 every action it learned was cut off and scored invalid (the agent
+    study's student B never won); OracleSFT now names the key before training."""
+    _needs_twx()
+    import lightning as L
+
+    from salvage.callbacks.sft import OracleSFT
+    from salvage.datamodules.agent import AgentDataModule, EnvSpec
+    from salvage.errors import ConfigError
+    from salvage.models import PolicySpec
+    from salvage.modules.grpo import GRPOModule
+    from salvage.rollout.config import EngineConfig
+
+    def fit(max_new: int) -> OracleSFT:
+        sft = OracleSFT(episodes=2, steps=1, batch_size=2)
+        trainer = L.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+            callbacks=[sft],
+        )
+        data = AgentDataModule(
+            env=EnvSpec(name="twx", train_tasks={"game": "coin", "num_tasks": 2}),
+            max_turns=2,
+            tasks_per_step=1,
+            group_size=2,
+            engine=EngineConfig(max_new_tokens=max_new),
+        )
+        module = GRPOModule(policy=PolicySpec("tiny", vocab_size=384, seed=1), lr=1e-4)
+        trainer.fit(module, datamodule=data)
+        return sft
+
+    with pytest.raises(ConfigError, match=r"data\.engine\.max_new_tokens=24.*>= 2[5-9]"):
+        fit(24)
+    assert fit(32).done  # long enough: the warm start runs

@@ -20,6 +20,7 @@ import torch
 
 from salvage.datamodules.agent import AgentDataModule
 from salvage.datamodules.base import attached_datamodule
+from salvage.errors import ConfigError
 from salvage.lm import target_scores
 from salvage.modules.grpo import GRPOModule
 from salvage.progress import stage
@@ -79,16 +80,30 @@ class OracleSFT(L.Callback):
         tok = student.tokenizer
         pairs = []
         wins = 0
+        longest = (0, "")  # tokens the student must sample to reproduce a response, and it
         for e in eps:
             wins += e.won
             if not e.won:
                 continue  # only demonstrations that verifiably succeed
             for t in e.turns:
                 resp = list(tok(t.response_text, add_special_tokens=False)["input_ids"])
+                # a response ending in a stop string ends there; otherwise it needs its EOS
+                stops = any(
+                    t.response_text.endswith(s) for s in [*dm.fmt.stop, *dm.engine_cfg.stop]
+                )
+                longest = max(longest, (len(resp) + (not stops), t.response_text))
                 if tok.eos_token_id is not None:
                     resp.append(int(tok.eos_token_id))
                 pairs.append((student.encode(t.prompt_text), resp))
         log.info("OracleSFT: %d/%d oracle episodes won, %d turns", wins, len(eps), len(pairs))
+        limit = dm.engine_cfg.max_new_tokens
+        if longest[0] > limit:
+            raise ConfigError(
+                f"OracleSFT: the student's tokenizer needs {longest[0]} tokens for the oracle "
+                f"response {longest[1]!r}, but data.engine.max_new_tokens={limit}: the "
+                "student could never finish such an action (cut off, scored invalid); raise "
+                f"data.engine.max_new_tokens to >= {longest[0]}"
+            )
         return pairs
 
     def _train(

@@ -75,6 +75,7 @@ TRAIN_METRICS = (
     "rollout/response_len",
     "rollout/verifier_timeouts",
     "rollout/invalid_turn_frac",
+    "rollout/truncated_frac",
     "rollout/turns",
     "env/errors",
     "loss/policy",
@@ -819,6 +820,8 @@ class GRPOModule(L.LightningModule):
             m.update("rollout/turns", float(len(t.turns)))
             for turn in t.turns:
                 m.update("rollout/invalid_turn_frac", float(not turn.valid))
+                # responses cut off at engine.max_new_tokens (no EOS, no stop string)
+                m.update("rollout/truncated_frac", float(turn.finish_reason == "length"))
         for g in groups:
             m.update("rollout/zero_signal_frac", float(g.zero_signal))
         st = batch.stats
