@@ -18,7 +18,7 @@ from salvage.core.relay import RelayConfig
 from salvage.datamodules.agent import EnvSpec
 from salvage.datamodules.agent_peers import AgentPeersDataModule
 from salvage.errors import ConfigError
-from salvage.models import PolicySpec
+from salvage.models import PolicySpec, load_model
 from salvage.modules.graft import GRAFTModule
 from salvage.modules.peer_handoff import PeerHandoffModule
 
@@ -108,3 +108,47 @@ def test_peer_handoff_needs_vhgpo_students(tmp_path):
     )
     with pytest.raises(ConfigError, match="not a VH-GPO learner"):
         trainer.fit(GRAFTModule(), datamodule=_data())
+
+
+def test_frozen_teacher_is_a_copy_of_the_peer_at_its_initial_weights(tmp_path):
+    """``teacher: frozen`` (the issue's comparison): b is rescued by a frozen copy of a's
+    initial weights, loaded from a's policy spec, that no update touches; the records name it."""
+    spec_a = PolicySpec("tiny", vocab_size=768)
+    module = PeerHandoffModule(
+        policy_a=spec_a,
+        policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
+        lr=1e-1,
+        micro_batch_size=8,
+    )
+    rescue = PeerHandoff(
+        relay=RelayConfig(b_min=2, stride=2, max_backtracks=4, max_groups=2), teacher="frozen"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[rescue],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=_data())
+    assert set(rescue._frozen) == {"a", "b"}  # each student's rescuer: a for b, b for a
+    frozen_a = rescue._frozen["a"]
+    assert frozen_a.engine.calls > 0  # the search sampled from the frozen copy
+    fresh = dict(load_model(spec_a).named_parameters())
+    frozen_params = dict(frozen_a.engine.model.named_parameters())
+    assert all(torch.equal(p, fresh[k]) and not p.requires_grad for k, p in frozen_params.items())
+    assert frozen_a.engine.model is not module.a.policy
+    assert len(rescue.inference_models(module)) == len(module.sampling_models()) + 2
+    recs = [json.loads(x) for x in Path(trainer.log_dir, "relays.jsonl").read_text().splitlines()]
+    assert recs and {r["student"] for r in recs} == {"b"}
+    assert {r["teacher"] for r in recs} == {"frozen:a"}
+    assert "frozen copy of the peer" in rescue.describe()
+
+
+def test_peer_handoff_teacher_must_be_live_or_frozen():
+    with pytest.raises(ConfigError, match=r"rescue\.init_args\.teacher.*'stale'"):
+        PeerHandoff(teacher="stale")

@@ -5,14 +5,17 @@ student's zero-signal groups are rescued through the same verified handoff searc
 VH-GPO's (SPEC §2: teacher recovery from the student's failed backbone, earliest confirmed
 handoff, verified relay, the three auxiliary losses), with the teacher being a peer student
 at its CURRENT weights, not a frozen copy: student ``a`` is rescued by ``b``, ``b`` by ``c``
-(or by ``a`` when there are two), and so on cyclically (ours). The peer samples through its
+(or by ``a`` when there are two), and so on cyclically (ours). ``teacher: frozen`` is the
+comparison the issue asks for: the same run with each student rescued by a FROZEN copy of
+its peer's initial weights (loaded from the peer's policy spec, as VH-GPO's frozen LM
+teacher is), so a study can tell what the peer's co-training adds. The peer samples through its
 own engine, tokenizer and chat template; its recovery tokens count as teacher tokens
 (``cost/extra_tokens_teacher``). The selection, search and accounting of each student run
 on its own part of the batch with its own random streams (the stage's seed offset per
 student as GRAFT's sampling streams are) and its own cumulative counters; metrics are
 logged per student (``a/relay/...``, ``a/cost/...``) and the run's extra-token ratio over
 all students (``cost/extra_token_ratio``). ``relays.jsonl`` names the student and its
-teacher (``peer:b``).
+teacher (``peer:b``, or ``frozen:b`` for the frozen copy).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from typing import Any
 import lightning as L
 import torch
 
-from salvage.callbacks.relay import RescueCallback, VerifiedHandoff, _Accounting
+from salvage.callbacks.relay import (
+    RescueCallback,
+    VerifiedHandoff,
+    _Accounting,
+    frozen_lm_policy,
+)
 from salvage.core.relay import RelayConfig
 from salvage.core.seeds import PEER_OFFSET
 from salvage.datamodules.agent_peers import AgentPeersDataModule
@@ -40,12 +48,25 @@ class PeerHandoff(VerifiedHandoff):
         relay: search settings (every knob of SPEC §2 with its default, as VerifiedHandoff).
         seed: seed of the search's random streams (offset per student).
         records: write ``relays.jsonl`` in the run directory.
+        teacher: ``live`` (the peer at its current, co-trained weights) or ``frozen`` (a
+            frozen copy of the peer's initial weights, loaded from its policy spec).
     """
 
     def __init__(
-        self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True
+        self,
+        relay: RelayConfig | None = None,
+        seed: int = 0,
+        records: bool = True,
+        teacher: str = "live",
     ) -> None:
+        if teacher not in ("live", "frozen"):
+            raise ConfigError(
+                f"rescue.init_args.teacher must be 'live' or 'frozen', got {teacher!r}"
+            )
         RescueCallback.__init__(self, relay, seed, records)
+        self.teacher = teacher
+        self._frozen: dict[str, Any] = {}  # peer name -> its frozen initial copy's policy
+        self._frozen_models: list[torch.nn.Module] = []
         self.teacher_spec = None  # type: ignore[assignment]  # the peer, chosen per student
         self._teacher: Any = None
         self.acc.random_handoff = self.cfg.handoff == "random"
@@ -56,12 +77,16 @@ class PeerHandoff(VerifiedHandoff):
     def describe(self) -> str:
         return (
             f"rescue: PeerHandoff (handoff={self.cfg.handoff}, anchor_order="
-            f"{self.cfg.anchor_order}, search={self.cfg.search}), teacher: the co-trained "
-            "peer student (current weights)"
+            f"{self.cfg.anchor_order}, search={self.cfg.search}), teacher: "
+            + (
+                "the co-trained peer student (current weights)"
+                if self.teacher == "live"
+                else "a frozen copy of the peer student's initial weights"
+            )
         )
 
     def teacher_name(self) -> str:
-        return f"peer:{self._peer}"
+        return f"{'peer' if self.teacher == 'live' else 'frozen'}:{self._peer}"
 
     @staticmethod
     def peer_of(names: tuple[str, ...], name: str) -> str:
@@ -85,6 +110,16 @@ class PeerHandoff(VerifiedHandoff):
                     f"PeerHandoff: student {n} is not a VH-GPO learner (its relays would not "
                     "be trained on): use PeerHandoffModule"
                 )
+        if self.teacher == "frozen" and not self._frozen:
+            dm = attached_datamodule(trainer, AgentPeersDataModule)
+            for n in names:
+                peer = self.peer_of(tuple(names), n)
+                learner = pl_module.learner(peer)  # type: ignore[operator]
+                # sampling on the rescued student's device, with the run's engine settings
+                student = pl_module.learner(n)  # type: ignore[operator]
+                policy, model = frozen_lm_policy(learner.spec, student, dm)
+                self._frozen[peer] = policy
+                self._frozen_models.append(model)
 
     def state_dict(self) -> dict[str, Any]:
         return {"per_student": {n: dict(a.total) for n, a in self._accs.items()}}
@@ -111,7 +146,11 @@ class PeerHandoff(VerifiedHandoff):
         base = self.seed
         for i, name in enumerate(names):
             self._student, self._peer = name, self.peer_of(names, name)
-            self._teacher = dm.student_policy(self._peer)
+            self._teacher = (
+                dm.student_policy(self._peer)
+                if self.teacher == "live"
+                else self._frozen[self._peer]
+            )
             self.acc = self._account(name)
             self.seed = base + PEER_OFFSET * i  # each student's own search streams
             try:
@@ -133,5 +172,6 @@ class PeerHandoff(VerifiedHandoff):
         pl_module.record({f"{self._student}/{k}": v for k, v in values.items()})  # type: ignore[operator]
 
     def inference_models(self, pl_module: L.LightningModule) -> list[torch.nn.Module]:
-        """Every student samples here (as a student or as a peer's teacher)."""
-        return list(pl_module.sampling_models())  # type: ignore[operator]
+        """Every student samples here (as a student or as a peer's teacher), and the frozen
+        copies where ``teacher: frozen``."""
+        return list(pl_module.sampling_models()) + self._frozen_models  # type: ignore[operator]

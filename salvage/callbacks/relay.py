@@ -295,6 +295,29 @@ class RescueCallback(L.Callback):
         return models + ([self.teacher_model] if self.teacher_model is not None else [])
 
 
+def frozen_lm_policy(
+    spec: PolicySpec, module: GRPOModule, dm: Any, engine: EngineConfig | None = None
+) -> tuple[LMPolicy, torch.nn.Module]:
+    """A frozen LM loaded from ``spec`` as an agent policy on ``module``'s device (sharded or
+    offloaded like the reference under FSDP), sampling with ``engine`` (None: the
+    datamodule's settings); returns the policy and its model."""
+    tok = load_tokenizer(spec)
+    mesh = module.fsdp_mesh()
+    if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
+        model = load_sharded(
+            lambda: load_model(spec, tok),
+            lambda: build_empty_model(spec, tok),
+            mesh,
+            module.fsdp,
+            frozen=True,
+            device=module.device,
+        )
+    else:
+        model = load_model(spec, tok).eval().requires_grad_(False).to(module.device)
+    eng = build_engine(engine or dm.engine_cfg, model, tok, frozen=True)
+    return LMPolicy(eng, tok, dm.fmt, dm.max_prompt_tokens), model
+
+
 def _data(trainer: L.Trainer) -> AgentDataModule:
     return attached_datamodule(trainer, AgentDataModule)
 
@@ -401,25 +424,9 @@ class VerifiedHandoff(RescueCallback):
         if self.teacher_spec.kind == "oracle":
             self._teacher = OraclePolicy(dm.fmt)
         elif self._teacher is None and self.teacher_spec.policy is not None:
-            spec = self.teacher_spec.policy
-            tok = load_tokenizer(spec)
-            mesh = module.fsdp_mesh()
-            if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
-                model = load_sharded(
-                    lambda: load_model(spec, tok),
-                    lambda: build_empty_model(spec, tok),
-                    mesh,
-                    module.fsdp,
-                    frozen=True,
-                    device=module.device,
-                )
-            else:
-                model = load_model(spec, tok).eval().requires_grad_(False).to(module.device)
-            self.teacher_model = model
-            engine = build_engine(
-                self.teacher_spec.engine or dm.engine_cfg, model, tok, frozen=True
+            self._teacher, self.teacher_model = frozen_lm_policy(
+                self.teacher_spec.policy, module, dm, self.teacher_spec.engine
             )
-            self._teacher = LMPolicy(engine, tok, dm.fmt, dm.max_prompt_tokens)
 
     # -- search driver ---------------------------------------------------------------
     def rescue(
