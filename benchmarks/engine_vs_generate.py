@@ -4,8 +4,12 @@
 
 Both sides: the same model, prompts (left-padded), n samples, max new tokens, sampling
 settings, seed; measured alternately (A B A B ...) in one process, median of ``--repeats``.
-The engine's time is split into sampling (its ``generate`` call plus cutting rows at eos /
-stop strings) and the behaviour log-prob forward pass, which plain ``generate`` does not do.
+The engine runs its defaults: its own decode loop (``engine.hf_decode_loop: own``: one
+prefill per distinct prompt, KV-cache steps, ended rows leave the batch) with the behaviour
+log-probs taken from the sampler's logits, so its "log-prob pass" column reads ~0 unless
+``hf_recompute_logprobs`` makes it run the separate teacher-forced pass (reduced precision);
+plain ``generate`` computes no log-probs. ``decode_cpu.py`` compares the engine's two decode
+loops.
 Not a test; compare ratios, not absolute times, on a shared machine.
 """
 

@@ -110,7 +110,8 @@ def test_kl_zero_skips_the_reference_model(tmp_path):
 
 
 def test_first_minibatch_ratio_is_exactly_one(tmp_path):
-    # behaviour log-probs are recomputed the same way the update computes them
+    # fp32 on CPU: the sampler's own log-probs (engine default, no recomputed pass) equal the
+    # update's up to rounding (README "HF rollouts")
     # one minibatch per step: every token's ratio is computed before any update
     module, trainer, _ = _fit(tmp_path, num_minibatches=1)
     assert float(trainer.callback_metrics["loss/ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
