@@ -238,15 +238,29 @@ class SpyScores(PeerGroupModule):
     """The real module; records each source-choice score it computed."""
 
     def _compat(self, src, dst, q, receiver):
-        s = super()._compat(src, dst, q, receiver)
+        s, scored = super()._compat(src, dst, q, receiver)
         self.seen = getattr(self, "seen", []) + [(receiver, q, s)]
-        return s
+        return s, scored
 
 
 @pytest.mark.parametrize("rule", ["successes", "compat"])
-def test_three_peers_exchange_per_ordered_pair(tmp_path, rule):
+def test_three_peers_exchange_per_ordered_pair(tmp_path, rule, monkeypatch):
+    import salvage.modules.graft as graft_mod
+    import salvage.modules.peers as peers_mod
+
+    scorings = []  # (source group, receiver) of every peer_turns call (the real function)
+
+    def counted(source, own, receiver, *args, **kwargs):
+        scorings.append((id(source), id(receiver)))
+        return graft_mod.peer_turns.__wrapped__(source, own, receiver, *args, **kwargs)
+
+    counted.__wrapped__ = graft_mod.peer_turns
+    monkeypatch.setattr(graft_mod, "peer_turns", counted)
+    monkeypatch.setattr(peers_mod, "peer_turns", counted)
     module = SpyScores(lr=1e-3, num_minibatches=2, micro_batch_size=8, source_rule=rule)
     trainer, cap = _fit(module, tmp_path, ThreeWay)
+    # the chosen source's responses are scored once: for the choice, then reused
+    assert len(scorings) == len(set(scorings)) == (4 if rule == "compat" else 3)
     m = trainer.callback_metrics
     (rec,) = _records(trainer)
     tr = rec["transfers"]

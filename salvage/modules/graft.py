@@ -309,11 +309,13 @@ class GRAFTModule(L.LightningModule):
         rng: random.Random | None = None,
         bar: Any = None,
         live: list[int] | None = None,
+        scored: dict[int, tuple[list[Trajectory], list[list[Turn]]]] | None = None,
     ) -> list[float]:
         """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted.
 
         ``live`` (HACPO restricted to GRAFT's selection): the prompts whose peer responses
-        keep their advantage; None: all of ``prompts``.
+        keep their advantage; None: all of ``prompts``. ``scored``: ``peer_turns`` results
+        already computed for some prompts (by the same receiver, since its last update).
         """
         return transplant(
             src,
@@ -326,6 +328,7 @@ class GRAFTModule(L.LightningModule):
             step=self.global_step,
             live=live,
             encode=self.encoder(receiver),
+            scored=scored,
         )
 
     def encoder(self, receiver: GRPOModule) -> Callable[[str], list[int]] | None:
@@ -605,6 +608,7 @@ def transplant(
     step: int = 0,
     live: list[int] | None = None,
     encode: Callable[[str], list[int]] | None = None,
+    scored: dict[int, tuple[list[Trajectory], list[list[Turn]]]] | None = None,
 ) -> list[float]:
     """Replace ``dst``'s groups on ``prompts`` by ``src``'s, re-tokenised and weighted (SPEC §3.2).
 
@@ -612,8 +616,10 @@ def transplant(
     its policy scores it (pi_old log-probs); ``core.exchange.receive_group`` does the rest.
     ``step``: the update index (HACPO's rising peer bound); ``live``: HACPO restricted to
     GRAFT's selection, the prompts whose peer responses keep their advantage (None: all);
-    ``encode``: agents, the receiver's prompt encoder (``peer_turns``). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns the peer
-    responses' weights.
+    ``encode``: agents, the receiver's prompt encoder (``peer_turns``); ``scored``: prompts
+    whose ``peer_turns`` result the caller already has (N peers score a candidate source to
+    choose it). Shared by GRAFTModule and the stored-mode receiver (``StoredPeer``). Returns
+    the peer responses' weights.
     """
     peer_trajs: list[Trajectory] = []
     # the receiver's own groups, for its rollout metrics (what it sampled, not what it trains on)
@@ -624,7 +630,10 @@ def transplant(
     cap_recv = sum(t.success for t in dst.trajectories) / max(1, len(dst.trajectories))
     for q in prompts:
         sg, dg = src.groups[q], dst.groups[q]
-        peers, turns = peer_turns(sg, dg, receiver, rules, dst.temperature, encode)
+        if scored is not None and q in scored:
+            peers, turns = scored[q]
+        else:
+            peers, turns = peer_turns(sg, dg, receiver, rules, dst.temperature, encode)
         if not peers:
             continue
         group = receive_group(

@@ -37,7 +37,9 @@ from salvage.models import PolicySpec
 from salvage.modules.graft import NAMES, GRAFTModule, peer_turns
 from salvage.modules.grpo import GRPOModule
 from salvage.progress import stage
-from salvage.types import PairedBatch, RolloutBatch
+from salvage.types import PairedBatch, RolloutBatch, Trajectory, Turn
+
+Scored = tuple[list[Trajectory], list[list[Turn]]]  # peer_turns' result for one prompt
 
 _TWO_MODEL_ONLY = {"mode": "graft", "selection": "complementary", "restrict_to_selection": False}
 """GRAFTModule arguments whose other values are two-model baselines (SGT, HACPO, count-matched
@@ -113,8 +115,11 @@ class PeerGroupModule(GRAFTModule):
         return self._names
 
     # ------------------------------------------------------------------ exchange
-    def _compat(self, src: RolloutBatch, dst: RolloutBatch, q: int, receiver: GRPOModule) -> float:
-        """The source-choice score of ``src``'s group on prompt ``q`` for ``receiver``."""
+    def _compat(
+        self, src: RolloutBatch, dst: RolloutBatch, q: int, receiver: GRPOModule
+    ) -> tuple[float, Scored]:
+        """The source-choice score of ``src``'s group on prompt ``q`` for ``receiver``, and the
+        scored peer turns it came from (reused by the exchange if this source is chosen)."""
         peers, turns = peer_turns(
             src.groups[q],
             dst.groups[q],
@@ -123,7 +128,7 @@ class PeerGroupModule(GRAFTModule):
             dst.temperature,
             self.encoder(receiver),
         )
-        return capped_mean_compat(
+        score = capped_mean_compat(
             [
                 compatibility(
                     mean_logprob(episode_logprobs(ep)), mean_logprob(episode_logprobs(t.turns))
@@ -131,6 +136,7 @@ class PeerGroupModule(GRAFTModule):
                 for t, ep in zip(peers, turns, strict=True)
             ]
         )
+        return score, (peers, turns)
 
     def training_step(self, batch: PairedBatch, batch_idx: int) -> None:
         hp = self.hparams
@@ -153,6 +159,9 @@ class PeerGroupModule(GRAFTModule):
         # while it scores, and every rank enters every receiver's context in the same order
         proposed: dict[tuple[int, int], list[int]] = {p: [] for p in pairs}
         sends = proposed
+        # the chosen source's responses, scored once for the choice: the exchange reuses them
+        # (no receiver update in between, so they are the very values it would compute)
+        scored: dict[tuple[int, int, int], Scored] = {}
         if hp.exchange:
             table: dict[tuple[int, int, int], float] = {}
             if hp.source_rule == "compat":  # score only prompts with several candidates
@@ -161,7 +170,9 @@ class PeerGroupModule(GRAFTModule):
                         for q in range(len(k[r])):
                             cand = candidates(k, r, q, n)
                             for s in cand if len(cand) > 1 else []:
-                                table[(s, r, q)] = self._compat(own[s], own[r], q, lr)
+                                table[(s, r, q)], scored[(s, r, q)] = self._compat(
+                                    own[s], own[r], q, lr
+                                )
             proposed = choose_sources(k, n, rng, hp.source_rule, lambda s, r, q: table[(s, r, q)])
             sends = balance_pairs(proposed, len(batches), rng, hp.balance, hp.rho)
         total = sum(len(v) for v in sends.values())
@@ -170,7 +181,13 @@ class PeerGroupModule(GRAFTModule):
             for s, r in pairs:
                 with gathered(learners[r].policy):
                     weights += self.receive(
-                        own[s], batches[r], sends[(s, r)], learners[r], rng, bar
+                        own[s],
+                        batches[r],
+                        sends[(s, r)],
+                        learners[r],
+                        rng,
+                        bar,
+                        scored={q: v for (a, b, q), v in scored.items() if (a, b) == (s, r)},
                     )
         for b in batches:
             self._order(b, rng)
