@@ -19,6 +19,9 @@ optimiser steps TRL takes on it, ``steps_per_generation`` of them):
   lazily inside the first ``training_step`` of a generation batch).
 - step: wall time between the ends of consecutive RL steps (everything: data loading,
   rollout, update, TRL's logging).
+- ``compact_head`` in the spec: TRL's fused LM head scores only the completion positions, as it
+  does on a Triton device (on CPU it scores every position); ``vs_trl.py`` runs this as the
+  "TRL, LM-head overhead removed" side.
 - update tokens: non-pad prompt + completion tokens of the generation batch (each row is
   trained on once per RL step: ``num_iterations=1``); per row (``seq_lens``, ``resp_lens``)
   for the needed FLOPs of the update.
@@ -46,6 +49,17 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from salvage.tasks.math import MathVerifyReward
+
+    if spec.get("compact_head"):
+        # TRL's GPU path of its fused LM head: project and score only the positions with a label
+        # (the completion tokens). Off Triton, TRL 1.16 scores every position (prompt and padding
+        # included) to keep tile shapes fixed; this flag stands in for "TRL without that CPU-only
+        # cost". The tile fold stays the torch one; the values are the same at the kept positions.
+        import trl.trainer.utils as trl_utils
+
+        if not hasattr(trl_utils, "_use_triton"):
+            sys.exit(f"compact_head: trl {trl.__version__} has no trl.trainer.utils._use_triton")
+        trl_utils._use_triton = lambda device: True
 
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     if tok.pad_token_id is None:  # as salvage.models does

@@ -3,11 +3,23 @@
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/vs_trl.py \
         [--trl-python .trl-venv/bin/python] [--models tiny smollm2-135m-instruct] [--rounds 2]
 
-TRL lives in its own virtual environment (``python3 -m venv .trl-venv``, then
-``pip install torch==2.13.0 trl math-verify`` and ``pip install --no-deps -e .`` for the
-shared reward code); this script runs each side in a fresh subprocess, salvage's in this
-interpreter and TRL's in ``--trl-python`` (``benchmarks/_trl_side.py``), alternately
-(salvage, TRL, then TRL, salvage, ... for ``--rounds``) so that machine noise hits both.
+TRL lives in its own virtual environment, anywhere outside the repository (``python3 -m venv
+.trl-venv``; then first ``pip install torch==2.13.0``, so that pip takes the CPU build already
+installed or cached rather than fetching the CUDA one, then ``pip install trl==1.16.0
+math-verify transformers==X`` with X the project venv's transformers version, then ``pip
+install --no-deps -e .`` for the shared reward code); this script runs each side in a fresh
+subprocess, salvage's in this interpreter and TRL's in ``--trl-python``
+(``benchmarks/_trl_side.py``), alternately (salvage, TRL, TRL-compact, then TRL-compact, TRL,
+salvage, ... for ``--rounds``) so that machine noise hits all sides.
+
+"TRL with its LM-head overhead removed" (the third side, ``trl_compact``; ``--no-trl-compact``
+skips it): TRL 1.16's fused LM head scores only the completion positions on a Triton device
+(CUDA, XPU) but every position (prompt and padding included) elsewhere, so that its tile shapes
+stay fixed; on CPU that projects and log-softmaxes the whole sequence through the vocabulary-wide head
+in the forward and again in the backward's recompute. The third side runs TRL with the Triton
+device's choice (``trl.trainer.utils._use_triton`` patched to true: same log-probs, entropies
+and gradients at the completion positions, checked to 0.0 difference) and everything else
+unchanged, including TRL's backward recompute of the head and its entropy on every scored token.
 
 Both sides get: the same weights (``tiny`` is saved once as an HF directory; SmolLM2 is
 salvage's local safetensors cache), the same prompts in the same step order (reasoning-gym
@@ -252,6 +264,9 @@ def run_side(side: str, spec: dict, work: Path, trl_python: str, tag: str) -> di
     if side == "salvage":
         cmd = [sys.executable, __file__, "--side", "salvage", str(spec_path), str(out)]
     else:
+        if side == "trl_compact":
+            spec = dict(spec, compact_head=True)
+            spec_path.write_text(json.dumps(spec))
         cmd = [trl_python, str(ROOT / "benchmarks" / "_trl_side.py"), str(spec_path), str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
@@ -260,6 +275,12 @@ def run_side(side: str, spec: dict, work: Path, trl_python: str, tag: str) -> di
     res = json.loads(out.read_text())
     res["proc_s"] = time.perf_counter() - t0
     return res
+
+
+def _update_tok_s(run: dict) -> list[float]:
+    """Update tok/s of each RL step of one run, the first (warm-up) step dropped."""
+    n = min(len(run["rollout_s"]), len(run["update_s"]))
+    return [run["upd_tokens"][k] / run["update_s"][k] for k in range(1, n)]
 
 
 def summarise(runs: list[dict], shape: Shape) -> dict[str, float]:
@@ -301,6 +322,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--raw", help="also write every run's per-step records to this JSON file")
     ap.add_argument(
+        "--no-trl-compact",
+        action="store_true",
+        help="skip the third side: TRL with its LM head scoring completion positions only "
+        "(its Triton path; on CPU it scores every position), the 'LM-head overhead removed' ratio",
+    )
+    ap.add_argument(
         "--trl-optim",
         default="adamw_torch_fused",
         help="TRL's optim (its default on torch >= 2.8: adamw_torch_fused; adamw_torch = the for-loop kernel)",
@@ -341,9 +368,10 @@ def main() -> None:
                 threads=a.threads,
                 trl_optim=a.trl_optim,
             )
-            runs: dict[str, list[dict]] = {"salvage": [], "trl": []}
+            sides = ("salvage", "trl") if a.no_trl_compact else ("salvage", "trl", "trl_compact")
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
             for r in range(a.rounds):
-                order = ("salvage", "trl") if r % 2 == 0 else ("trl", "salvage")
+                order = sides if r % 2 == 0 else sides[::-1]
                 for side in order:
                     runs[side].append(run_side(side, spec, work, a.trl_python, f"{side}_{r}"))
                     print(
@@ -383,27 +411,57 @@ def main() -> None:
     print(
         "| model | side | rollout tok/s | update tok/s | step (s) | response len | "
         "update GFLOP/s (needed) | update eff. (/ GEMM probe) | decode eff. (/ bandwidth floor) | "
-        "ratio salvage/TRL (rollout / update / step time) |"
+        "ratio salvage/this side (rollout / update / step time) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    names = {"salvage": "salvage", "trl": "TRL", "trl_compact": "TRL, LM head on completions only"}
     for model, res in results.items():
-        sv, tr = res["salvage"], res["trl"]
+        sv = res["salvage"]
         lim = limits[model]
-        for side, r in (("salvage", sv), ("TRL", tr)):
+        for side, r in res.items():
             ratio = (
-                (
-                    f"{sv['rollout_tok_s'] / tr['rollout_tok_s']:.2f}x / {sv['update_tok_s'] / tr['update_tok_s']:.2f}x / "
-                    f"{sv['step_s'] / tr['step_s']:.2f}x"
-                )
-                if side == "salvage"
+                f"{sv['rollout_tok_s'] / r['rollout_tok_s']:.2f}x / "
+                f"{sv['update_tok_s'] / r['update_tok_s']:.2f}x / {sv['step_s'] / r['step_s']:.2f}x"
+                if side != "salvage"
                 else ""
             )
             print(
-                f"| {model} | {side} | {r['rollout_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | {r['step_s']:.2f} | "
-                f"{r['resp_len']:.1f} | {r['update_flops_s'] / 1e9:.2f} | "
+                f"| {model} | {names[side]} | {r['rollout_tok_s']:,.0f} | {r['update_tok_s']:,.0f} | "
+                f"{r['step_s']:.2f} | {r['resp_len']:.1f} | {r['update_flops_s'] / 1e9:.2f} | "
                 f"{r['update_flops_s'] / lim['gemm']:.2f} | {r['rollout_tok_s'] / lim['floor']:.3f} | "
                 f"{ratio} |"
             )
+    for model, res in results.items():
+        sv, tr = res["salvage"], res["trl"]
+        line = (
+            f"{model}: update throughput salvage/TRL {sv['update_tok_s'] / tr['update_tok_s']:.2f}x"
+        )
+        if "trl_compact" in res:
+            tc = res["trl_compact"]
+            line += (
+                f"; with TRL's LM-head overhead removed (TRL scoring completion positions only) "
+                f"{sv['update_tok_s'] / tc['update_tok_s']:.2f}x"
+            )
+        line += (
+            f"; step time salvage/TRL {sv['step_s'] / tr['step_s']:.2f}x (below 1: salvage faster)"
+        )
+        print(line)
+        per_round = {
+            side: [statistics.median(_update_tok_s(r)) for r in rs]
+            for side, rs in raw[model].items()
+        }
+        print(
+            "  per round (median update tok/s of each run, salvage / other side): "
+            + "; ".join(
+                f"{side} "
+                + ", ".join(
+                    f"{a_ / b_:.2f}x"
+                    for a_, b_ in zip(per_round["salvage"], per_round[side], strict=True)
+                )
+                for side in per_round
+                if side != "salvage"
+            )
+        )
 
 
 if __name__ == "__main__":
