@@ -110,6 +110,23 @@ def main() -> None:
     print("|---|---|---|")
     for name, key in PHASES:
         print(f"| {name} | {phase(vh, key):.2f} | {phase(base, key):.2f} |")
+    # engine seconds per 1,000 generated tokens: root rollouts vs the search's student calls
+    root = lambda rows: sum(  # noqa: E731
+        float(r.get("perf/rollout_tokens_per_s") or 0) * float(r.get("cost/time_generate") or 0)
+        for r in rows
+    )
+    searched = parts["search"] + parts["confirm"]
+    print(f"| root rollout tokens | {root(vh):.0f} | {root(base):.0f} |")
+    print(f"| search student tokens (discovery + confirmation) | {searched:.0f} | - |")
+    print(
+        f"| root rollout engine s / 1k tokens | {1e3 * phase(vh, 'cost/time_generate') / root(vh):.3f}"
+        f" | {1e3 * phase(base, 'cost/time_generate') / root(base):.3f} |"
+    )
+    if searched:
+        print(
+            "| search student engine s / 1k tokens | "
+            f"{1e3 * phase(vh, 'cost/time_rescue_policy') / searched:.3f} | - |"
+        )
 
 
 PHASES = (
