@@ -147,7 +147,8 @@ class TWXEnv(ReplayEnv):
         key = self._plan_key(here)
         if key in _PLANS:  # this state was planned before (another attempt, episode or instance)
             _PLANS.move_to_end(key)
-            found = list(_PLANS[key]) if _PLANS[key] is not None else None
+            cached = _PLANS[key]
+            found = list(cached) if cached is not None else None
         else:
             found = self._bfs()
             _PLANS[key] = tuple(found) if found else None
