@@ -105,6 +105,56 @@ def main() -> None:
         print(
             f"| of which {k} / root output tokens | {100 * ratio * v / total if total else 0.0:.2f}% |"
         )
+    print(f"\nSummed over the {a.steps} updates, seconds (update = step - rollout - rescue)")
+    print("| phase | VH-GPO | GRPO |")
+    print("|---|---|---|")
+    for name, key in PHASES:
+        print(f"| {name} | {phase(vh, key):.2f} | {phase(base, key):.2f} |")
+    # engine seconds per 1,000 generated tokens: root rollouts vs the search's student calls
+    root = lambda rows: sum(  # noqa: E731
+        float(r.get("perf/rollout_tokens_per_s") or 0) * float(r.get("cost/time_generate") or 0)
+        for r in rows
+    )
+    searched = parts["search"] + parts["confirm"]
+    print(f"| root rollout tokens | {root(vh):.0f} | {root(base):.0f} |")
+    print(f"| search student tokens (discovery + confirmation) | {searched:.0f} | - |")
+    print(
+        f"| root rollout engine s / 1k tokens | {1e3 * phase(vh, 'cost/time_generate') / root(vh):.3f}"
+        f" | {1e3 * phase(base, 'cost/time_generate') / root(base):.3f} |"
+    )
+    if searched:
+        print(
+            "| search student engine s / 1k tokens | "
+            f"{1e3 * phase(vh, 'cost/time_rescue_policy') / searched:.3f} | - |"
+        )
+
+
+PHASES = (
+    ("step", "perf/step_s"),
+    ("rollout (root)", "cost/time_rollout"),
+    ("  of which policy", "cost/time_generate"),
+    ("rescue search", "cost/time_rescue"),
+    ("  teacher rollouts", "cost/time_rescue_teacher"),
+    ("    of which teacher policy (oracle planning)", "cost/time_rescue_teacher_policy"),
+    ("  discovery rollouts", "cost/time_rescue_discovery"),
+    ("  confirmation rollouts", "cost/time_rescue_confirm"),
+    ("  replay", "cost/time_rescue_replay"),
+    ("  student policy (engine, discovery + confirmation)", "cost/time_rescue_policy"),
+    ("  student and replay env / prompts", "cost/time_rescue_env"),
+    ("update", None),
+    ("  of which auxiliary terms", "cost/time_aux"),
+)
+
+
+def phase(rows: list[dict[str, str]], key: str | None) -> float:
+    """``key`` summed over the updates (None: step - rollout - rescue)."""
+    if key is None:
+        return (
+            phase(rows, "perf/step_s")
+            - phase(rows, "cost/time_rollout")
+            - phase(rows, "cost/time_rescue")
+        )
+    return sum(float(r.get(key) or 0.0) for r in rows)
 
 
 if __name__ == "__main__":

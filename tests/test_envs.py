@@ -122,6 +122,38 @@ def test_twx_planner_oracle_is_shortest_deterministic_and_replans(game, params, 
         env.close()
 
 
+def test_twx_planner_oracle_plans_a_state_once_per_process():
+    """VH-GPO's teacher attempts from one anchor ask the oracle at the same state on
+    different instances: the second ask reuses the first plan (same actions, no planner
+    twin started, no planner steps) instead of repeating the breadth-first search."""
+    _needs_twx()
+    from salvage.envs import twx
+
+    twx._PLANS.clear()
+    params = "numLocations=4,includeDoors=0,numDistractorItems=0"
+    a, b = make_env("twx"), make_env("twx")
+    try:
+        task = a.list_tasks("train", game="coin", params=params, num_tasks=1)[0]
+        plans = []
+        for env in (a, b):
+            env.reset(task, 0)
+            env.step("inventory")  # not the start state: the key is the action history
+            acts = []
+            while (act := env.oracle_action()) is not None and len(acts) < 20:
+                acts.append(act)
+                if env.step(act).done:
+                    break
+            plans.append((acts, env.info["won"]))
+        assert plans[0] == plans[1] and plans[0][1] and len(plans[0][0]) == 2
+        assert a.plan_nodes > 0 and a._planner is not None
+        assert b.plan_nodes == 0 and b._planner is None  # planned once, in instance a
+        b.reset(task, 0)  # another state: planned afresh
+        assert b.oracle_action() == plans[0][0][0] and b.plan_nodes > 0
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.alfworld
 def test_alfworld_expert_wins_and_restore_verifies_at_every_depth():
     pytest.importorskip("alfworld", reason="the alfworld extra is not installed")

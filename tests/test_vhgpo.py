@@ -20,6 +20,7 @@ from scripted_policies import RightFromDepth
 
 from salvage.callbacks.cost import CostTracker
 from salvage.callbacks.relay import (
+    RESCUE_TIMES,
     ExtraStudentRollouts,
     NoHandoff,
     RandomAnchorOrder,
@@ -191,6 +192,16 @@ def test_verified_handoff_end_to_end(tmp_path):
     assert float(m["cost/extra_tokens_teacher"]) == 0  # an oracle teacher generates no tokens
     for k in ("loss/pair", "loss/bridge", "loss/resume", "loss/aux"):
         assert math.isfinite(float(m[k])), k
+    # the search's wall time split by phase: each phase ran, the parts fit in the whole, and
+    # the student calls plus replay split exactly into engine time and the rest
+    t = {k: float(m[f"cost/time_{k}"]) for k in RESCUE_TIMES}
+    phases = ("rescue_teacher", "rescue_discovery", "rescue_confirm", "rescue_replay")
+    assert all(t[k] > 0 for k in (*phases, "rescue_policy", "rescue_env"))
+    assert sum(t[k] for k in phases) <= t["rescue"]
+    assert t["rescue_teacher_policy"] <= t["rescue_teacher"]
+    assert t["rescue_policy"] + t["rescue_env"] == pytest.approx(
+        t["rescue_discovery"] + t["rescue_confirm"] + t["rescue_replay"]
+    )
 
 
 def test_random_verified_handoff_picks_a_later_success(tmp_path):

@@ -33,6 +33,9 @@ import json
 import logging
 import os
 import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -82,6 +85,23 @@ from salvage.rollout.config import EngineConfig, build_engine
 from salvage.types import Group, RelayData, RolloutBatch, SeqTarget, Trajectory
 
 log = logging.getLogger(__name__)
+
+RESCUE_TIMES = (
+    "rescue",
+    "rescue_teacher",
+    "rescue_teacher_policy",
+    "rescue_discovery",
+    "rescue_confirm",
+    "rescue_replay",
+    "rescue_policy",
+    "rescue_env",
+)
+"""``cost/time_<name>`` of a search (seconds per update): the whole search; the wall time of
+its teacher, discovery, confirmation and replay runner calls (a call holding discovery and
+confirmation rollouts together is split by their share of its output tokens); the teacher's
+policy part (an LM teacher's engine, or the oracle's planning); the student calls' policy
+(engine) part and the rest of the student and replay calls (environment restores and steps,
+prompts)."""
 
 
 @dataclass
@@ -397,6 +417,7 @@ class VerifiedHandoff(RescueCallback):
             )
         self.teacher_spec = teacher
         self._teacher: Any = None
+        self._times: dict[str, float] = {}
         self.acc.random_handoff = self.cfg.handoff == "random"
 
     def student_policy(self, pl_module: L.LightningModule, dm: Any) -> Any:
@@ -429,6 +450,33 @@ class VerifiedHandoff(RescueCallback):
             )
 
     # -- search driver ---------------------------------------------------------------
+    @contextmanager
+    def _timed(self, dm: Any, phase: str, kinds: list[str] | None) -> Iterator[list[Episode]]:
+        """Add the wall time of the runner call inside to ``phase`` (``student``: split
+        over ``kinds``, one per episode, by output tokens) and its policy / other split."""
+        times = self._times
+        eps: list[Episode] = []
+        tp, t0 = dm.runner.time_policy, time.perf_counter()
+        yield eps
+        if not times:
+            return
+        wall, policy = time.perf_counter() - t0, dm.runner.time_policy - tp
+        if phase == "teacher":
+            times["rescue_teacher"] += wall
+            times["rescue_teacher_policy"] += policy
+            return
+        times["rescue_policy"] += policy
+        times["rescue_env"] += wall - policy
+        if kinds is None:
+            times[f"rescue_{phase}"] += wall
+            return
+        weight = {"discovery": 0.0, "confirm": 0.0}
+        for k, e in zip(kinds, eps, strict=True):
+            weight[k] += sum(len(t.response_ids) for t in e.turns) or 1e-9
+        total = sum(weight.values()) or 1.0
+        for k, w in weight.items():
+            times[f"rescue_{k}"] += wall * w / total
+
     def rescue(
         self,
         trainer: L.Trainer,
@@ -480,8 +528,12 @@ class VerifiedHandoff(RescueCallback):
             searches.append(s)
         student = self.student_policy(pl_module, dm)
         base_seed = step_seed(self.seed, trainer.global_step, RELAY_DRIVE)
+        self._times = dict.fromkeys(RESCUE_TIMES, 0.0)
+        t0 = time.perf_counter()
         with stage("verified handoff search", total=len(searches), unit="group") as bar:
             self._drive(searches, dm, student, base_seed, bar)
+        self._times["rescue"] = time.perf_counter() - t0
+        self.emit(pl_module, {f"cost/time_{k}": v for k, v in self._times.items()})
         return self._collect(trainer, batch, searches, student, dm, step)
 
     def _drive(
@@ -565,7 +617,8 @@ class VerifiedHandoff(RescueCallback):
                     )
                 )
                 owners.append((s, sd))
-        eps = dm.runner.run(starts, self._teacher, seed=seed, train=False)
+        with self._timed(dm, "teacher", None):
+            eps = dm.runner.run(starts, self._teacher, seed=seed, train=False)
         for s in live:
             answers[id(s)] = [
                 _outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
@@ -585,7 +638,10 @@ class VerifiedHandoff(RescueCallback):
             for sd in s.req.seeds:
                 starts.append(Start(s.group.task, s.backbone.start.seed, state=state, history=hist))
                 owners.append((s, sd))
-        eps = dm.runner.run(starts, student, seed=seed + 1, train=True)
+        kinds = [s.req.kind for s, _ in owners]
+        with self._timed(dm, "student", kinds) as eps_out:
+            eps = dm.runner.run(starts, student, seed=seed + 1, train=True)
+            eps_out.extend(eps)
         for s in live:
             answers[id(s)] = [
                 _outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
@@ -600,7 +656,9 @@ class VerifiedHandoff(RescueCallback):
             resume = s.req.resume.ref.actions if s.req.resume is not None else []
             acts = s.backbone.actions[: s.req.anchor] + rec.actions[: s.req.j] + list(resume)
             items.append((s.group.task, s.backbone.start.seed, acts))
-        for s, won in zip(live, dm.runner.replay(items), strict=True):
+        with self._timed(dm, "replay", None):
+            wins = dm.runner.replay(items)
+        for s, won in zip(live, wins, strict=True):
             answers[id(s)] = won
 
     # -- relay assembly ----------------------------------------------------------------

@@ -8,12 +8,14 @@ game's admissible actions from the current state, run on a twin instance through
 replay restores: the shortest plan, deterministic. (TWX's own gold path is drawn at
 random on every reset: the same seed gave gold paths of 5, 17 and 9 actions in three
 processes, so it is not used; an oracle must be reproducible.) States are identified by
-(observation, admissible actions, score); the plan is cached while the agent follows it.
+(observation, admissible actions, score); the plan is cached while the agent follows it,
+and every plan is kept per process for the next ask from the same state (any instance).
 Each instance holds its own JVM (~0.5 s to start), reused across episodes.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, ClassVar
 
 from salvage.envs.base import ReplayEnv
@@ -38,6 +40,14 @@ DEFAULT_PARAMS = {
 }
 
 
+PLAN_CACHE_SIZE = 4096
+"""Plans kept per process (least recently used dropped first)."""
+_PLANS: OrderedDict[tuple[Any, ...], tuple[str, ...] | None] = OrderedDict()
+"""The planner's answer per (game, actions since reset, limits), shared by every instance
+of the process: the search is deterministic, so asking again only repeats it (VH-GPO's
+teacher attempts from one anchor all plan from the same state)."""
+
+
 class TWXEnv(ReplayEnv):
     name: ClassVar[str] = "twx"
 
@@ -53,6 +63,8 @@ class TWXEnv(ReplayEnv):
         self._task_desc = ""
         self._planner: TWXEnv | None = None
         self._plan: tuple[tuple[str, ...], list[str]] | None = None
+        self.plan_nodes = 0
+        """Actions the planner has tried on this instance (its cost, in environment steps)."""
 
     def _server(self) -> Any:
         if self._env is None:
@@ -132,9 +144,26 @@ class TWXEnv(ReplayEnv):
                 and list(here[len(base) :]) == plan[:k]
             ):
                 return plan[k]
-        found = self._bfs()
+        key = self._plan_key(here)
+        if key in _PLANS:  # this state was planned before (another attempt, episode or instance)
+            _PLANS.move_to_end(key)
+            cached = _PLANS[key]
+            found = list(cached) if cached is not None else None
+        else:
+            found = self._bfs()
+            _PLANS[key] = tuple(found) if found else None
+            if len(_PLANS) > PLAN_CACHE_SIZE:
+                _PLANS.popitem(last=False)
         self._plan = (here, found) if found else None
         return found[0] if found else None
+
+    def _plan_key(self, actions: tuple[str, ...]) -> tuple[Any, ...]:
+        """What the planner's answer depends on: the game, the actions since reset (the
+        engine is deterministic given its game seed) and the planner's limits."""
+        t = self._task or {}
+        game = (t.get("game"), t.get("params", ""), t.get("game_seed"), t.get("fold", "train"))
+        limits = (self.step_limit, self.plan_max_nodes, self.plan_max_depth)
+        return (*game, *limits, actions)
 
     def _key(self, obs: str, info: dict[str, Any]) -> str:
         return f"{obs}|{','.join(info['admissible'])}|{info['score']}"
@@ -159,10 +188,12 @@ class TWXEnv(ReplayEnv):
                     },
                     verify=False,
                 )
-                for a in list(tw.info["admissible"]):
+                actions = list(tw.info["admissible"])
+                for i, a in enumerate(actions):
                     if nodes >= self.plan_max_nodes:
                         return None
                     nodes += 1
+                    self.plan_nodes += 1
                     res = tw.step(a)
                     if res.info["won"]:
                         return path + [a]
@@ -170,6 +201,8 @@ class TWXEnv(ReplayEnv):
                     if not res.done and key not in seen:
                         seen.add(key)
                         nxt.append(path + [a])
+                    if i == len(actions) - 1:
+                        break  # the next path restores its own state
                     tw.restore(
                         {
                             **start,

@@ -16,6 +16,7 @@ sequence-mean-token-mean aggregation are this module's defaults; the DAPO-style 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -98,9 +99,13 @@ class VHGPOModule(GRPOModule):
         return target_scores(model, items, pad, self.device, packed=self.hparams.pack_prompts)
 
     def aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """Backpropagate the auxiliary terms of ``batch.relays``; their detached total."""
+        """Backpropagate the auxiliary terms of ``batch.relays``; their detached total. Logs
+        its wall time as ``cost/time_aux`` (seconds, the reference forwards included)."""
+        t0 = time.perf_counter()
         with gathered(self.ref_model):  # reference scores are local forwards under FSDP
-            return self._aux_backward(batch)
+            out = self._aux_backward(batch)
+        self.record_later({"cost/time_aux": time.perf_counter() - t0})
+        return out
 
     def _aux_backward(self, batch: RolloutBatch) -> torch.Tensor | None:
         hp = self.hparams
