@@ -7,7 +7,9 @@ prompts x ``--n`` samples, one engine chunk) with the same seed, fp32:
 
 - ``before``: ``engine.hf_decode_loop: generate`` + ``hf_recompute_logprobs: true`` (the
   engine as it was: ``transformers`` ``generate``, then a teacher-forced log-prob pass);
-- ``after``: the defaults (our decode loop, log-probs from the sampler's logits).
+- ``after_linear``: our decode loop with the LM head as ``F.linear`` (``hf_tall_head: false``);
+- ``after``: the defaults (our decode loop, log-probs from the sampler's logits, the LM
+  head as ``W @ h.T`` where ``tall_head_fits``).
 
 Per side, medians over the rounds (the first call of each side is a warm-up, not
 counted): wall seconds per engine call, generated tokens/s over that whole call
@@ -45,6 +47,7 @@ from salvage.rollout.hf import HFEngine  # noqa: E402
 
 SIDES = {
     "before": dict(decode_loop="generate", recompute_logprobs=True),
+    "after_linear": dict(decode_loop="own", recompute_logprobs=False, tall_head=False),
     "after": dict(decode_loop="own", recompute_logprobs=False),
 }
 
@@ -116,7 +119,14 @@ def main() -> None:
                 f"{dec_txt} | {m['len']:.1f} |"
             )
         print(f"after / before wall: {med['after']['wall_s'] / med['before']['wall_s']:.2f}x")
-        print(f"same tokens (last round): {toks['before'] == toks['after']}")
+        print(
+            f"after / after_linear wall: "
+            f"{med['after']['wall_s'] / med['after_linear']['wall_s']:.2f}x"
+        )
+        print(
+            f"same tokens (last round): before = after {toks['before'] == toks['after']}, "
+            f"after_linear = after {toks['after_linear'] == toks['after']}"
+        )
         ref = response_logprobs(
             model,
             [s.prompt_ids for s in last],

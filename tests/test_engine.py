@@ -277,3 +277,91 @@ def test_logprobs_are_recomputed_by_default_only_under_reduced_precision():
     model.to(torch.bfloat16)
     assert eng.recomputes(cpu)
     assert not HFEngine(model, tok, recompute_logprobs=False).recomputes(cpu)
+
+
+def _tall_vocab_llama(vocab: int = 16384):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tall_head_decodes_the_same_tokens_as_the_linear_head(temperature):
+    """The LM head as ``W @ h.T`` (own loop, a 16384-token head): the same tokens and
+    log-probs within fp32 rounding; the model's own head never runs, and is back (still tied
+    to the embedding) afterwards."""
+    from salvage.rollout.hf import decode, tall_head_fits
+
+    model = _tall_vocab_llama()
+    head = model.get_output_embeddings()
+    assert tall_head_fits(model)
+    assert not tall_head_fits(_early_eos_tiny()[0])  # 500-odd rows: F.linear as before
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 16384, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :4], mask[0, :4] = 0, 0  # one left-padded row
+    calls = []
+    hook = head.register_forward_hook(lambda *a: calls.append(1))
+    out = {}
+    try:
+        for tall in (False, True):
+            calls.clear()
+            gen = torch.Generator().manual_seed(7)
+            out[tall] = decode(
+                model,
+                ids,
+                mask,
+                max_new=12,
+                temperature=temperature,
+                top_p=1.0,
+                eos_ids=set(),
+                pad_id=0,
+                generator=gen,
+                tall_head=tall,
+            )
+            assert (len(calls) == 0) == tall
+    finally:
+        hook.remove()
+    (t0, lp0), (t1, lp1) = out[False], out[True]
+    assert t0 == t1
+    for a, b in zip(lp0, lp1, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert model.get_output_embeddings() is head
+    assert head.weight is model.get_input_embeddings().weight
+
+
+def test_tall_head_needs_a_bias_free_linear_head():
+    from salvage.rollout.hf import decode, tall_head_fits
+
+    model = _tall_vocab_llama(8192)
+    old = model.get_output_embeddings()
+    model.set_output_embeddings(torch.nn.Linear(64, 8192, bias=True))
+    assert not tall_head_fits(model)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="hf_tall_head"):
+        decode(
+            model,
+            ids,
+            torch.ones_like(ids),
+            max_new=2,
+            temperature=0.0,
+            top_p=1.0,
+            eos_ids=set(),
+            pad_id=0,
+            generator=None,
+            tall_head=True,
+        )
+    model.set_output_embeddings(old)
+    assert tall_head_fits(model)
+    assert not tall_head_fits(model.to(torch.bfloat16))
