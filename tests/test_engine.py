@@ -301,7 +301,7 @@ def test_tall_head_decodes_the_same_tokens_as_the_linear_head(temperature):
     """The LM head as ``W @ h.T`` (own loop, a 16384-token head): the same tokens and
     log-probs within fp32 rounding; the model's own head never runs, and is back (still tied
     to the embedding) afterwards."""
-    from salvage.rollout.hf import decode, tall_head_fits
+    from salvage.rollout.hf import HeadSwap, decode, tall_head_fits
 
     model = _tall_vocab_llama()
     head = model.get_output_embeddings()
@@ -318,18 +318,18 @@ def test_tall_head_decodes_the_same_tokens_as_the_linear_head(temperature):
         for tall in (False, True):
             calls.clear()
             gen = torch.Generator().manual_seed(7)
-            out[tall] = decode(
-                model,
-                ids,
-                mask,
-                max_new=12,
-                temperature=temperature,
-                top_p=1.0,
-                eos_ids=set(),
-                pad_id=0,
-                generator=gen,
-                tall_head=tall,
-            )
+            with HeadSwap(model, tall):
+                out[tall] = decode(
+                    model,
+                    ids,
+                    mask,
+                    max_new=12,
+                    temperature=temperature,
+                    top_p=1.0,
+                    eos_ids=set(),
+                    pad_id=0,
+                    generator=gen,
+                )
             assert (len(calls) == 0) == tall
     finally:
         hook.remove()
@@ -342,26 +342,34 @@ def test_tall_head_decodes_the_same_tokens_as_the_linear_head(temperature):
 
 
 def test_tall_head_needs_a_bias_free_linear_head():
-    from salvage.rollout.hf import decode, tall_head_fits
+    from salvage.rollout.config import EngineConfig
+    from salvage.rollout.hf import HeadSwap, tall_head_fits
 
     model = _tall_vocab_llama(8192)
     old = model.get_output_embeddings()
     model.set_output_embeddings(torch.nn.Linear(64, 8192, bias=True))
     assert not tall_head_fits(model)
-    ids = torch.ones(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match="hf_tall_head"):
-        decode(
-            model,
-            ids,
-            torch.ones_like(ids),
-            max_new=2,
-            temperature=0.0,
-            top_p=1.0,
-            eos_ids=set(),
-            pad_id=0,
-            generator=None,
-            tall_head=True,
-        )
+    with pytest.raises(ValueError, match="hf_tall_head"), HeadSwap(model, True):
+        pass
+    eng = HFEngine.from_config(EngineConfig(hf_tall_head=True), model, _early_eos_tiny()[1])
+    assert eng.tall_head is True
     model.set_output_embeddings(old)
     assert tall_head_fits(model)
     assert not tall_head_fits(model.to(torch.bfloat16))
+
+
+def test_engine_takes_the_tall_head_by_default_where_it_fits():
+    model = _tall_vocab_llama()
+    tok = _early_eos_tiny()[1]  # its ids fit the 16384-token model
+    head = model.get_output_embeddings()
+    calls = []
+    hook = head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        prompts = _ragged_prompts(tok)
+        HFEngine(model, tok, max_new_tokens=3).generate(prompts, n=1, seed=0)
+        assert calls == []  # W @ h.T, the model's own head never ran
+        HFEngine(model, tok, max_new_tokens=3, tall_head=False).generate(prompts, n=1, seed=0)
+        assert calls
+    finally:
+        hook.remove()
+    assert model.get_output_embeddings() is head

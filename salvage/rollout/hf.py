@@ -88,7 +88,7 @@ def tall_head_fits(model: torch.nn.Module) -> bool:
     )
 
 
-class _HeadSwap:
+class HeadSwap:
     """Within the block, ``model``'s LM head is a ``_TallHead`` over the same weight."""
 
     def __init__(self, model: Any, on: bool) -> None:
@@ -172,7 +172,6 @@ def decode(
     generator: torch.Generator | None,
     ended: Any = None,
     timings: dict[str, float] | None = None,
-    tall_head: bool = False,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
 
@@ -182,38 +181,10 @@ def decode(
     tokens; ended rows are dropped from the batch and the cache. Every step draws one multinomial over all rows (ended rows from a point mass on ``pad_id``),
     so the generator advances as in ``generate``. Returns the tokens and their behaviour
     log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
-    given, gets ``prefill_s`` / ``decode_s`` added (seconds). ``tall_head``: the LM head as
-    ``W @ h.T`` throughout (the caller checks ``tall_head_fits``).
+    given, gets ``prefill_s`` / ``decode_s`` added (seconds). Under ``HeadSwap(model, True)``
+    the LM head runs as ``W @ h.T`` (the caller checks ``tall_head_fits``).
     """
-    with _HeadSwap(model, tall_head):
-        return _decode(
-            model,
-            ids,
-            mask,
-            max_new,
-            temperature,
-            top_p,
-            eos_ids,
-            pad_id,
-            generator,
-            ended,
-            timings,
-        )
 
-
-def _decode(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    max_new: int,
-    temperature: float,
-    top_p: float,
-    eos_ids: set[int],
-    pad_id: int,
-    generator: torch.Generator | None,
-    ended: Any,
-    timings: dict[str, float] | None,
-) -> tuple[list[list[int]], list[list[float]]]:
     from transformers import DynamicCache
 
     lm: Any = model
@@ -487,20 +458,21 @@ class HFEngine:
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
             return any(s in text for s in stop)
 
-        return decode(
-            self.model,
-            ids,
-            mask,
-            max_new=max_new,
-            temperature=temperature,
-            top_p=top_p,
-            eos_ids=self.eos_ids,
-            pad_id=self.pad_id,
-            generator=gen,
-            ended=ended if stop else None,
-            timings=self._loop_timings,
-            tall_head=tall_head_fits(self.model) if self.tall_head is None else self.tall_head,
-        )
+        tall = tall_head_fits(self.model) if self.tall_head is None else self.tall_head
+        with HeadSwap(self.model, tall):
+            return decode(
+                self.model,
+                ids,
+                mask,
+                max_new=max_new,
+                temperature=temperature,
+                top_p=top_p,
+                eos_ids=self.eos_ids,
+                pad_id=self.pad_id,
+                generator=gen,
+                ended=ended if stop else None,
+                timings=self._loop_timings,
+            )
 
     def _decode_generate(
         self,
