@@ -51,6 +51,21 @@ def _data():
     )
 
 
+def _trainer(tmp_path, callbacks):
+    """One update, CSV metrics and relays.jsonl in ``tmp_path``."""
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+    )
+
+
 def test_each_student_is_rescued_by_its_peer_at_current_weights(tmp_path):
     module = PeerHandoffModule(
         policy_a=PolicySpec("tiny", vocab_size=768),
@@ -60,17 +75,7 @@ def test_each_student_is_rescued_by_its_peer_at_current_weights(tmp_path):
     )
     rescue = PeerHandoff(relay=RelayConfig(b_min=2, stride=2, max_backtracks=4, max_groups=2))
     cap = Capture()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=CSVLogger(tmp_path, name=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[rescue, cap],
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, [rescue, cap])
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.b.policy.named_parameters()}
     trainer.fit(module, datamodule=_data())
@@ -123,17 +128,7 @@ def test_frozen_teacher_is_a_copy_of_the_peer_at_its_initial_weights(tmp_path):
     rescue = PeerHandoff(
         relay=RelayConfig(b_min=2, stride=2, max_backtracks=4, max_groups=2), teacher="frozen"
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=CSVLogger(tmp_path, name=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[rescue],
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, [rescue])
     trainer.fit(module, datamodule=_data())
     assert set(rescue._frozen) == {"a", "b"}  # each student's rescuer: a for b, b for a
     frozen_a = rescue._frozen["a"]

@@ -417,7 +417,7 @@ class VerifiedHandoff(RescueCallback):
             )
         self.teacher_spec = teacher
         self._teacher: Any = None
-        self._times: dict[str, float] = {}
+        self._times = dict.fromkeys(RESCUE_TIMES, 0.0)  # this update's search (rescue resets it)
         self.acc.random_handoff = self.cfg.handoff == "random"
 
     def student_policy(self, pl_module: L.LightningModule, dm: Any) -> Any:
@@ -458,8 +458,6 @@ class VerifiedHandoff(RescueCallback):
         eps: list[Episode] = []
         tp, t0 = dm.runner.time_policy, time.perf_counter()
         yield eps
-        if not times:
-            return
         wall, policy = time.perf_counter() - t0, dm.runner.time_policy - tp
         if phase == "teacher":
             times["rescue_teacher"] += wall

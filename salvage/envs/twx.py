@@ -63,8 +63,6 @@ class TWXEnv(ReplayEnv):
         self._task_desc = ""
         self._planner: TWXEnv | None = None
         self._plan: tuple[tuple[str, ...], list[str]] | None = None
-        self.plan_nodes = 0
-        """Actions the planner has tried on this instance (its cost, in environment steps)."""
 
     def _server(self) -> Any:
         if self._env is None:
@@ -193,7 +191,6 @@ class TWXEnv(ReplayEnv):
                     if nodes >= self.plan_max_nodes:
                         return None
                     nodes += 1
-                    self.plan_nodes += 1
                     res = tw.step(a)
                     if res.info["won"]:
                         return path + [a]

@@ -27,13 +27,14 @@ caller's global RNG is untouched).
   computations round apart by far more than in fp32.
 - **Tall LM head** (``tall_head``, own loop only). Decoding a few rows, the LM head is a
   GEMM of a few rows against a vocabulary-tall weight; CPU BLAS runs ``F.linear`` on it well
-  below the memory bandwidth (it repacks the weight every call: measured 41-100 ms per
-  SmolLM2 step at 8 rows, ~45% of the step's GEMM time). Computed as ``W @ h.T`` instead
-  (the vocabulary as the long dimension) it is 1.3-2.3x faster (``benchmarks/README.md``).
-  The logits differ by fp32 rounding of the other summation order (~1e-6 relative), so a
-  sample on a near-tie may differ from ``generate``'s. None (default): on where it pays
-  and is exact up to rounding: a bias-free ``nn.Linear`` head of >= 8192 rows, fp32, on
-  CPU, plain tensors (not FSDP's), no logit soft-capping or scaling in the config.
+  below the memory bandwidth (measured 41-100 ms for SmolLM2's head at 8 rows, ~45% of a
+  step's GEMM time in a microbenchmark of its shapes). Computed as ``W @ h.T`` instead (the
+  vocabulary as the long dimension) it is 1.46x (1 thread) to 2.3x (2 loaded threads)
+  faster (``benchmarks/README.md``). The logits differ by fp32 rounding of the other
+  summation order (~1e-6 relative), so a sample on a near-tie may differ from
+  ``generate``'s. None (default): on where it pays and is exact up to rounding: a bias-free
+  ``nn.Linear`` head of >= 8192 rows, fp32, on CPU, plain tensors (not FSDP's), no logit
+  soft-capping or scaling in the config.
 """
 
 from __future__ import annotations
