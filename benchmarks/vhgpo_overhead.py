@@ -59,6 +59,13 @@ def main() -> None:
         help="16 tasks x 8 rollouts, <= 2 rescued groups per update",
     )
     ap.add_argument("--before", action="store_true", help="issue 16's switches off")
+    ap.add_argument(
+        "--teacher-policy",
+        default=None,
+        help="an HF model directory: VH-GPO's teacher is this frozen LM (the paper's setting, "
+        "sampled by the same engine) instead of the environment oracle; e.g. a warm start "
+        "made by studies/agent_peers_twx.yaml's prepare steps",
+    )
     a = ap.parse_args()
     shape = (
         ["--data.init_args.tasks_per_step", "16", "--data.init_args.group_size", "8"]
@@ -73,8 +80,16 @@ def main() -> None:
             "--data.init_args.engine.hf_decode_loop=generate",
             "--data.init_args.engine.hf_recompute_logprobs=true",
         ]
+    teacher = (
+        [
+            "--rescue.init_args.teacher",
+            f'{{"kind": "lm", "policy": {{"name_or_path": "{a.teacher_policy}"}}}}',
+        ]
+        if a.teacher_policy
+        else []
+    )
     with tempfile.TemporaryDirectory() as d:
-        vh = run(a.steps, shape, Path(d) / "vhgpo")
+        vh = run(a.steps, [*shape, *teacher], Path(d) / "vhgpo")
         base = run(
             a.steps,
             ["--config", str(ROOT / "configs/vhgpo/ablations/grpo_baseline.yaml"), *shape],
@@ -85,7 +100,11 @@ def main() -> None:
     where = (
         "16 tasks x 8 rollouts, <= 2 rescued groups" if a.source_rate else "8 tasks x 4 rollouts"
     )
-    print(f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml ({where}), {a.steps} updates")
+    who = f"LM teacher {a.teacher_policy}" if a.teacher_policy else "oracle teacher"
+    print(
+        f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml ({where}, {who}"
+        f"{', issue 16 switches off' if a.before else ''}), {a.steps} updates"
+    )
     print("| metric | value |")
     print("|---|---|")
     print(
@@ -135,7 +154,10 @@ PHASES = (
     ("  of which policy", "cost/time_generate"),
     ("rescue search", "cost/time_rescue"),
     ("  teacher rollouts", "cost/time_rescue_teacher"),
-    ("    of which teacher policy (oracle planning)", "cost/time_rescue_teacher_policy"),
+    (
+        "    of which teacher policy (LM engine, or oracle planning)",
+        "cost/time_rescue_teacher_policy",
+    ),
     ("  discovery rollouts", "cost/time_rescue_discovery"),
     ("  confirmation rollouts", "cost/time_rescue_confirm"),
     ("  replay", "cost/time_rescue_replay"),
