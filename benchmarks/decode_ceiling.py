@@ -170,9 +170,9 @@ def main() -> None:
         t_floor = floor_s / bw
         nbytes = sum(w.numel() * w.element_size() for w, _ in weights)
         print(
-            f"\n{name}: {nbytes / 1e6:.0f} MB of projection weights per step "
-            f"({floor_s / 1e6:.0f} MB counted by the floor); bandwidth probe {bw / 1e9:.1f} GB/s; "
-            f"floor {t_floor * 1e3:.1f} ms per step = {a.batch / t_floor:.0f} tok/s at batch {a.batch}"
+            f"\n{name}: {nbytes / 1e6:.3g} MB of projection weights per step "
+            f"({floor_s / 1e6:.3g} MB counted by the floor); bandwidth probe {bw / 1e9:.1f} GB/s; "
+            f"floor {t_floor * 1e3:.3g} ms per step = {a.batch / t_floor:.0f} tok/s at batch {a.batch}"
         )
         print("| part | ms per step | weight read rate (GB/s) | efficiency it allows |")
         print("|---|---|---|---|")
