@@ -18,6 +18,8 @@ that part were all there were. Measured in one process, the parts alternating ov
   on its weights, without attention, norms, the cache, the sampler or Python.
 - ``stream``: the same weights applied to 1 row: the same bytes read with 1/``--batch`` of
   the arithmetic, i.e. the rate at which this machine streams these matrices through BLAS.
+- ``compiled``: ``step`` with the forward run through ``torch.compile`` of the model
+  (``engine.hf_compile_decode``; compiled before timing, weights not frozen).
 - ``rest`` = step - gemm: attention, KV cache, norms, rotary, activations, sampler, and the
   per-op overhead of an eager forward.
 - ``probe``: ``probes.bandwidth_probe`` (summing one tensor 8x the last-level cache).
@@ -145,10 +147,18 @@ def main() -> None:
         floor_s = decode_weight_bytes(shape_of({"name_or_path": name}))  # bytes per step
         with HeadSwap(model, tall_head_fits(model)):
             step = Stepper(model, prompts_for(tok, a.batch), int(tok.pad_token_id))
+            compiled = Stepper(model, prompts_for(tok, a.batch), int(tok.pad_token_id))
+            compiled.model = torch.compile(model, dynamic=True)
+            t0 = time.perf_counter()
             for _ in range(a.cache_steps):
                 step()
+                compiled()
+            print(
+                f"{a.cache_steps} steps of each, compiling included: {time.perf_counter() - t0:.0f} s"
+            )
             parts = {
                 "step": step,
+                "compiled": compiled,
                 "gemm": gemm_chain(weights, a.batch),
                 "stream": gemm_chain(weights, 1),
                 "probe": lambda: None,
@@ -176,13 +186,15 @@ def main() -> None:
         )
         print("| part | ms per step | weight read rate (GB/s) | efficiency it allows |")
         print("|---|---|---|---|")
-        for k in ("step", "gemm", "stream", "rest"):
+        for k in ("step", "compiled", "gemm", "stream", "rest"):
             rate = f"{nbytes / med[k] / 1e9:.1f}" if k != "rest" else "-"
             print(f"| {k} | {med[k] * 1e3:.1f} | {rate} | {t_floor / med[k]:.3f} |")
         print(
             f"gemm share of the step {med['gemm'] / med['step']:.0%}; at the stream rate the "
             f"step would take {(med['stream'] + med['rest']) * 1e3:.1f} ms "
-            f"(efficiency {t_floor / (med['stream'] + med['rest']):.3f})"
+            f"(efficiency {t_floor / (med['stream'] + med['rest']):.3f}); compiled / eager step "
+            f"{med['compiled'] / med['step']:.2f}x, its rest (compiled - gemm) "
+            f"{(med['compiled'] - med['gemm']) * 1e3:.1f} ms"
         )
 
 

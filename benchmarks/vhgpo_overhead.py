@@ -66,6 +66,18 @@ def main() -> None:
         "sampled by the same engine) instead of the environment oracle; e.g. a warm start "
         "made by studies/agent_peers_twx.yaml's prepare steps",
     )
+    ap.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="both runs with engine.hf_compile_decode (the teacher's engine too)",
+    )
+    ap.add_argument(
+        "--warmup-updates",
+        type=int,
+        default=0,
+        help="leave the first K updates out of the time sums (e.g. 1 with --compile-decode, "
+        "whose first calls compile); token and group counts stay cumulative",
+    )
     a = ap.parse_args()
     shape = (
         ["--data.init_args.tasks_per_step", "16", "--data.init_args.group_size", "8"]
@@ -80,6 +92,8 @@ def main() -> None:
             "--data.init_args.engine.hf_decode_loop=generate",
             "--data.init_args.engine.hf_recompute_logprobs=true",
         ]
+    if a.compile_decode:
+        shape += ["--data.init_args.engine.hf_compile_decode=true"]
     teacher = (
         [
             "--rescue.init_args.teacher",
@@ -95,15 +109,18 @@ def main() -> None:
             ["--config", str(ROOT / "configs/vhgpo/ablations/grpo_baseline.yaml"), *shape],
             Path(d) / "grpo",
         )
-    step = lambda rows: sum(float(r["perf/step_s"]) for r in rows)  # noqa: E731
     last = vh[-1]
+    vh, base = vh[a.warmup_updates :], base[a.warmup_updates :]
+    step = lambda rows: sum(float(r["perf/step_s"]) for r in rows)  # noqa: E731
     where = (
         "16 tasks x 8 rollouts, <= 2 rescued groups" if a.source_rate else "8 tasks x 4 rollouts"
     )
     who = f"LM teacher {a.teacher_policy}" if a.teacher_policy else "oracle teacher"
     print(
         f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml ({where}, {who}"
-        f"{', issue 16 switches off' if a.before else ''}), {a.steps} updates"
+        f"{', issue 16 switches off' if a.before else ''}"
+        f"{', compiled decode steps' if a.compile_decode else ''}), {a.steps} updates"
+        f"{f', times from update {a.warmup_updates + 1} on' if a.warmup_updates else ''}"
     )
     print("| metric | value |")
     print("|---|---|")
@@ -124,7 +141,10 @@ def main() -> None:
         print(
             f"| of which {k} / root output tokens | {100 * ratio * v / total if total else 0.0:.2f}% |"
         )
-    print(f"\nSummed over the {a.steps} updates, seconds (update = step - rollout - rescue)")
+    print(
+        f"\nSummed over updates {a.warmup_updates + 1}-{a.steps}, seconds "
+        "(update = step - rollout - rescue)"
+    )
     print("| phase | VH-GPO | GRPO |")
     print("|---|---|---|")
     for name, key in PHASES:

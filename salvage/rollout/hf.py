@@ -90,10 +90,14 @@ def tall_head_fits(model: torch.nn.Module) -> bool:
 
 
 class HeadSwap:
-    """Within the block, ``model``'s LM head is a ``_TallHead`` over the same weight."""
+    """Within the block, ``model``'s LM head is a ``_TallHead`` over the same weight.
 
-    def __init__(self, model: Any, on: bool) -> None:
-        self.model, self.on = model, on
+    ``keep``: a dict in which the wrapper is kept and reused while the head stays the same
+    object (a compiled decode step guards on the modules it ran, so a new wrapper per call
+    would recompile it)."""
+
+    def __init__(self, model: Any, on: bool, keep: dict[str, Any] | None = None) -> None:
+        self.model, self.on, self.keep = model, on, keep
         self.head: torch.nn.Linear | None = None
 
     def __enter__(self) -> None:
@@ -105,7 +109,12 @@ class HeadSwap:
                     f"{type(head).__name__}"
                 )
             self.head = head
-            self.model.set_output_embeddings(_TallHead(head))
+            tall = self.keep.get("tall") if self.keep is not None else None
+            if tall is None or tall.head is not head:
+                tall = _TallHead(head)
+                if self.keep is not None:
+                    self.keep["tall"] = tall
+            self.model.set_output_embeddings(tall)
 
     def __exit__(self, *exc: Any) -> None:
         if self.head is not None:
@@ -173,6 +182,7 @@ def decode(
     generator: torch.Generator | None,
     ended: Any = None,
     timings: dict[str, float] | None = None,
+    runner: Any = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
 
@@ -183,7 +193,9 @@ def decode(
     so the generator advances as in ``generate``. Returns the tokens and their behaviour
     log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
     given, gets ``prefill_s`` / ``decode_s`` added (seconds). Under ``HeadSwap(model, True)``
-    the LM head runs as ``W @ h.T`` (the caller checks ``tall_head_fits``).
+    the LM head runs as ``W @ h.T`` (the caller checks ``tall_head_fits``). ``runner``, when
+    given, runs the KV-cache steps instead of ``model`` (a ``torch.compile`` of it); the
+    prefill always runs ``model``.
     """
 
     from transformers import DynamicCache
@@ -252,7 +264,7 @@ def decode(
             sel = torch.tensor(keep, device=ids.device)
             live, nxt, att, last = live[sel], nxt[sel], att[sel], last[sel]
             cache.batch_select_indices(sel)
-        out = lm(
+        out = (runner if runner is not None else lm)(
             input_ids=nxt,
             attention_mask=att,
             position_ids=last,
@@ -286,6 +298,7 @@ class HFEngine:
             recompute_logprobs=cfg.hf_recompute_logprobs,
             decode_loop=cfg.hf_decode_loop,
             tall_head=cfg.hf_tall_head,
+            compile_decode=cfg.hf_compile_decode,
         )
 
     def __init__(
@@ -302,6 +315,7 @@ class HFEngine:
         recompute_logprobs: bool | None = None,
         decode_loop: str = "own",
         tall_head: bool | None = None,
+        compile_decode: bool = False,
     ) -> None:
         """Args:
         model: the live causal LM to sample (a ``transformers`` model).
@@ -319,6 +333,9 @@ class HFEngine:
             ``generate`` (``transformers`` ``generate``, the previous path).
         tall_head: own loop: the LM head as ``W @ h.T`` (faster on CPU for a vocabulary-tall
             head; fp32 rounding only); None: where ``tall_head_fits`` the model.
+        compile_decode: own loop: the KV-cache steps run through ``torch.compile`` of the
+            model (inductor, dynamic shapes, weights read at run time so updates apply);
+            the first calls compile.
         """
         if decode_loop not in DECODE_LOOPS:
             raise ValueError(
@@ -341,6 +358,11 @@ class HFEngine:
         self.recompute_logprobs = recompute_logprobs
         self.decode_loop = decode_loop
         self.tall_head = tall_head
+        self.compile_decode = compile_decode
+        if compile_decode and decode_loop != "own":
+            raise ValueError("engine hf_compile_decode=true needs hf_decode_loop='own'")
+        self._compiled: Any = None
+        self._kept: dict[str, Any] = {}
         self.calls = 0
         self.last_timings: dict[str, float] = {}
         self._loop_timings: dict[str, float] = {}
@@ -460,7 +482,9 @@ class HFEngine:
             return any(s in text for s in stop)
 
         tall = tall_head_fits(self.model) if self.tall_head is None else self.tall_head
-        with HeadSwap(self.model, tall):
+        if self.compile_decode and self._compiled is None:
+            self._compiled = torch.compile(self.model, dynamic=True)
+        with HeadSwap(self.model, tall, self._kept):
             return decode(
                 self.model,
                 ids,
@@ -473,6 +497,7 @@ class HFEngine:
                 generator=gen,
                 ended=ended if stop else None,
                 timings=self._loop_timings,
+                runner=self._compiled,
             )
 
     def _decode_generate(
