@@ -409,3 +409,19 @@ def test_compiled_decode_draws_the_same_tokens_and_follows_weight_updates():
                 p.add_(0.5 * torch.randn(p.shape, generator=g))
     assert runs[0] != runs[1]  # the update changed what is sampled, in both loops alike
     assert counters["stats"]["unique_graphs"] > graphs  # the compiled step did run
+
+
+def test_compiled_decode_refuses_sharded_weights():
+    """Weights of a tensor subclass (FSDP's DTensor shards) get a clear error, not a
+    compile of the wrong thing."""
+    from salvage.models import PolicySpec, load_policy
+
+    class _Shard(torch.Tensor):
+        pass
+
+    model, tok = load_policy(PolicySpec("tiny"))
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().as_subclass(_Shard))
+    eng = HFEngine(model, tok, max_new_tokens=2, compile_decode=True)
+    with pytest.raises(ValueError, match="hf_compile_decode=true needs plain weights"):
+        eng.generate(_prompts(tok), n=1, seed=0)

@@ -483,6 +483,11 @@ class HFEngine:
 
         tall = tall_head_fits(self.model) if self.tall_head is None else self.tall_head
         if self.compile_decode and self._compiled is None:
+            if any(type(p.data) is not torch.Tensor for p in self.model.parameters()):
+                raise ValueError(
+                    "engine.hf_compile_decode=true needs plain weights; this model's are "
+                    "sharded (FSDP) or another tensor subclass: set it false"
+                )
             self._compiled = torch.compile(self.model, dynamic=True)
         with HeadSwap(self.model, tall, self._kept):
             return decode(
