@@ -425,3 +425,43 @@ def test_compiled_decode_refuses_sharded_weights():
     eng = HFEngine(model, tok, max_new_tokens=2, compile_decode=True)
     with pytest.raises(ValueError, match="hf_compile_decode=true needs plain weights"):
         eng.generate(_prompts(tok), n=1, seed=0)
+
+
+def test_decode_runs_the_step_runner_only_for_small_batches():
+    """``runner`` (the compiled step) takes the KV-cache steps of at most
+    ``runner_max_rows`` live rows; the prefill and larger steps run the model itself."""
+    from salvage.models import PolicySpec, load_policy
+    from salvage.rollout.hf import decode
+
+    model, _ = load_policy(PolicySpec("tiny"))
+    model.eval()
+    ids = torch.randint(3, 500, (4, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    rows_seen: list[int] = []
+
+    def runner(**kw):
+        rows_seen.append(kw["input_ids"].shape[0])
+        return model(**kw)
+
+    out = {}
+    for cap in (3, 4):
+        rows_seen.clear()
+        out[cap] = decode(
+            model,
+            ids,
+            mask,
+            max_new=5,
+            temperature=1.0,
+            top_p=1.0,
+            eos_ids=set(),  # no row ends early: 4 rows throughout
+            pad_id=0,
+            generator=torch.Generator().manual_seed(3),
+            runner=runner,
+            runner_max_rows=cap,
+        )
+        assert rows_seen == ([] if cap == 3 else [4] * 4)  # 5 tokens: 4 KV-cache steps
+    assert out[3] == out[4]  # same model either way: same tokens and log-probs
+    with pytest.raises(ValueError, match="hf_compile_max_rows"):
+        from salvage.rollout.config import EngineConfig
+
+        EngineConfig(hf_compile_max_rows=0)

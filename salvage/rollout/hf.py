@@ -183,6 +183,7 @@ def decode(
     ended: Any = None,
     timings: dict[str, float] | None = None,
     runner: Any = None,
+    runner_max_rows: int = 8,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
 
@@ -194,8 +195,8 @@ def decode(
     log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
     given, gets ``prefill_s`` / ``decode_s`` added (seconds). Under ``HeadSwap(model, True)``
     the LM head runs as ``W @ h.T`` (the caller checks ``tall_head_fits``). ``runner``, when
-    given, runs the KV-cache steps instead of ``model`` (a ``torch.compile`` of it); the
-    prefill always runs ``model``.
+    given, runs the KV-cache steps of at most ``runner_max_rows`` live rows instead of
+    ``model`` (a ``torch.compile`` of it); the prefill and larger steps run ``model``.
     """
 
     from transformers import DynamicCache
@@ -264,7 +265,8 @@ def decode(
             sel = torch.tensor(keep, device=ids.device)
             live, nxt, att, last = live[sel], nxt[sel], att[sel], last[sel]
             cache.batch_select_indices(sel)
-        out = (runner if runner is not None else lm)(
+        small = runner is not None and len(live) <= runner_max_rows
+        out = (runner if small else lm)(
             input_ids=nxt,
             attention_mask=att,
             position_ids=last,
@@ -299,6 +301,7 @@ class HFEngine:
             decode_loop=cfg.hf_decode_loop,
             tall_head=cfg.hf_tall_head,
             compile_decode=cfg.hf_compile_decode,
+            compile_max_rows=cfg.hf_compile_max_rows,
         )
 
     def __init__(
@@ -316,6 +319,7 @@ class HFEngine:
         decode_loop: str = "own",
         tall_head: bool | None = None,
         compile_decode: bool = False,
+        compile_max_rows: int = 8,
     ) -> None:
         """Args:
         model: the live causal LM to sample (a ``transformers`` model).
@@ -336,6 +340,8 @@ class HFEngine:
         compile_decode: own loop: the KV-cache steps run through ``torch.compile`` of the
             model (inductor, dynamic shapes, weights read at run time so updates apply);
             the first calls compile.
+        compile_max_rows: compiled steps only while at most this many rows are live
+            (larger steps: eager).
         """
         if decode_loop not in DECODE_LOOPS:
             raise ValueError(
@@ -359,6 +365,7 @@ class HFEngine:
         self.decode_loop = decode_loop
         self.tall_head = tall_head
         self.compile_decode = compile_decode
+        self.compile_max_rows = compile_max_rows
         if compile_decode and decode_loop != "own":
             raise ValueError("engine hf_compile_decode=true needs hf_decode_loop='own'")
         self._compiled: Any = None
@@ -503,6 +510,7 @@ class HFEngine:
                 ended=ended if stop else None,
                 timings=self._loop_timings,
                 runner=self._compiled,
+                runner_max_rows=self.compile_max_rows,
             )
 
     def _decode_generate(
