@@ -375,6 +375,7 @@ def test_engine_takes_the_tall_head_by_default_where_it_fits():
     assert model.get_output_embeddings() is head
 
 
+@pytest.mark.slow  # compiling tiny's two graphs: ~35 s cold on 2 cores
 def test_compiled_decode_draws_the_same_tokens_and_follows_weight_updates():
     """``compile_decode``: the KV-cache steps run through ``torch.compile``; the same seed
     gives the same tokens and log-probs (within 1e-4: fused fp32 rounding) as the eager loop, and after
