@@ -366,8 +366,13 @@ def test_engine_takes_the_tall_head_by_default_where_it_fits():
     hook = head.register_forward_hook(lambda *a: calls.append(1))
     try:
         prompts = _ragged_prompts(tok)
-        HFEngine(model, tok, max_new_tokens=3).generate(prompts, n=1, seed=0)
+        eng = HFEngine(model, tok, max_new_tokens=3)
+        eng.generate(prompts, n=1, seed=0)
         assert calls == []  # W @ h.T, the model's own head never ran
+        wrapper = eng._swap.tall
+        eng.generate(prompts, n=1, seed=1)
+        assert eng._swap.tall is wrapper  # the same wrapper again: a compiled step keeps its graph
+        assert wrapper is not None and wrapper.head is head
         HFEngine(model, tok, max_new_tokens=3, tall_head=False).generate(prompts, n=1, seed=0)
         assert calls
     finally:
@@ -432,6 +437,7 @@ def test_decode_runs_the_step_runner_only_for_small_batches():
     """``runner`` (the compiled step) takes the KV-cache steps of at most
     ``runner_max_rows`` live rows; the prefill and larger steps run the model itself."""
     from salvage.models import PolicySpec, load_policy
+    from salvage.rollout.config import EngineConfig
     from salvage.rollout.hf import decode
 
     model, _ = load_policy(PolicySpec("tiny"))
@@ -463,6 +469,4 @@ def test_decode_runs_the_step_runner_only_for_small_batches():
         assert rows_seen == ([] if cap == 3 else [4] * 4)  # 5 tokens: 4 KV-cache steps
     assert out[3] == out[4]  # same model either way: same tokens and log-probs
     with pytest.raises(ValueError, match="hf_compile_max_rows"):
-        from salvage.rollout.config import EngineConfig
-
         EngineConfig(hf_compile_max_rows=0)

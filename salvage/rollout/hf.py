@@ -98,13 +98,14 @@ def tall_head_fits(model: torch.nn.Module) -> bool:
 class HeadSwap:
     """Within the block, ``model``'s LM head is a ``_TallHead`` over the same weight.
 
-    ``keep``: a dict in which the wrapper is kept and reused while the head stays the same
-    object (a compiled decode step guards on the modules it ran, so a new wrapper per call
-    would recompile it)."""
+    Reusable: entered again, it swaps in the same wrapper while the head is the same object
+    (a compiled decode step guards on the modules it ran; a new wrapper would recompile it).
+    """
 
-    def __init__(self, model: Any, on: bool, keep: dict[str, Any] | None = None) -> None:
-        self.model, self.on, self.keep = model, on, keep
+    def __init__(self, model: Any, on: bool) -> None:
+        self.model, self.on = model, on
         self.head: torch.nn.Linear | None = None
+        self.tall: _TallHead | None = None
 
     def __enter__(self) -> None:
         if self.on:
@@ -115,12 +116,9 @@ class HeadSwap:
                     f"{type(head).__name__}"
                 )
             self.head = head
-            tall = self.keep.get("tall") if self.keep is not None else None
-            if tall is None or tall.head is not head:
-                tall = _TallHead(head)
-                if self.keep is not None:
-                    self.keep["tall"] = tall
-            self.model.set_output_embeddings(tall)
+            if self.tall is None or self.tall.head is not head:
+                self.tall = _TallHead(head)
+            self.model.set_output_embeddings(self.tall)
 
     def __exit__(self, *exc: Any) -> None:
         if self.head is not None:
@@ -375,7 +373,7 @@ class HFEngine:
         if compile_decode and decode_loop != "own":
             raise ValueError("engine hf_compile_decode=true needs hf_decode_loop='own'")
         self._compiled: Any = None
-        self._kept: dict[str, Any] = {}
+        self._swap: HeadSwap | None = None
         self.calls = 0
         self.last_timings: dict[str, float] = {}
         self._loop_timings: dict[str, float] = {}
@@ -502,7 +500,9 @@ class HFEngine:
                     "sharded (FSDP) or another tensor subclass: set it false"
                 )
             self._compiled = torch.compile(self.model, dynamic=True)
-        with HeadSwap(self.model, tall, self._kept):
+        if self._swap is None or self._swap.on != tall:
+            self._swap = HeadSwap(self.model, tall)
+        with self._swap:
             return decode(
                 self.model,
                 ids,
