@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from engine_vs_generate import prompts_for  # noqa: E402
-from probes import bandwidth_probe  # noqa: E402
+from probes import bandwidth_probe, median_time  # noqa: E402
 
 from salvage.core.flops import decode_weight_bytes  # noqa: E402
 from salvage.lm import pad_left  # noqa: E402
@@ -78,8 +78,8 @@ def gemm_chain(weights: list[tuple[torch.Tensor, bool]], rows: int) -> callable:
 
 
 class Stepper:
-    """A prefilled batch; each call is one decode step (forward + sampler) on a copy-free
-    growing cache, as the engine's loop runs it (no rows leave)."""
+    """A prefilled batch; each call is one decode step (sampler + forward) on a growing
+    ``DynamicCache``, as the engine's loop runs it (no rows leave)."""
 
     def __init__(self, model: torch.nn.Module, prompts: list[list[int]], pad_id: int) -> None:
         from transformers import DynamicCache
@@ -122,15 +122,6 @@ class Stepper:
         self.logits = out.logits[:, -1].float()
 
 
-def timed(fn: callable, reps: int) -> float:  # type: ignore[valid-type]
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -144,10 +135,12 @@ def main() -> None:
         model, tok = load_policy(PolicySpec(name))
         model.eval()
         weights = weights_in_order(model)
-        floor_s = decode_weight_bytes(shape_of({"name_or_path": name}))  # bytes per step
+        floor_bytes = decode_weight_bytes(shape_of({"name_or_path": name}))  # one step's reads
+        prompts = prompts_for(tok, a.batch)
+        cpu = torch.device("cpu")
         with HeadSwap(model, tall_head_fits(model)):
-            step = Stepper(model, prompts_for(tok, a.batch), int(tok.pad_token_id))
-            compiled = Stepper(model, prompts_for(tok, a.batch), int(tok.pad_token_id))
+            step = Stepper(model, prompts, int(tok.pad_token_id))
+            compiled = Stepper(model, prompts, int(tok.pad_token_id))
             compiled.model = torch.compile(model, dynamic=True)
             t0 = time.perf_counter()
             for _ in range(a.cache_steps):
@@ -161,27 +154,23 @@ def main() -> None:
                 "compiled": compiled,
                 "gemm": gemm_chain(weights, a.batch),
                 "stream": gemm_chain(weights, 1),
-                "probe": lambda: None,
             }
-            got: dict[str, list[float]] = {k: [] for k in parts}
-            for r in range(a.rounds + 1):
-                for k, fn in parts.items():
-                    if k == "probe":
-                        bw = bandwidth_probe("cpu")
-                        if r:
-                            got[k].append(bw)
-                        continue
-                    t = timed(fn, 3)
-                    if r:
+            got: dict[str, list[float]] = {k: [] for k in [*parts, "probe"]}
+            for r in range(a.rounds + 1):  # round 0: warm-up
+                times = {k: median_time(fn, cpu, 3) for k, fn in parts.items()}
+                bw = bandwidth_probe("cpu")
+                if r:
+                    for k, t in times.items():
                         got[k].append(t)
+                    got["probe"].append(bw)
         med = {k: statistics.median(v) for k, v in got.items()}
         med["rest"] = med["step"] - med["gemm"]
         bw = med.pop("probe")
-        t_floor = floor_s / bw
+        t_floor = floor_bytes / bw
         nbytes = sum(w.numel() * w.element_size() for w, _ in weights)
         print(
             f"\n{name}: {nbytes / 1e6:.3g} MB of projection weights per step "
-            f"({floor_s / 1e6:.3g} MB counted by the floor); bandwidth probe {bw / 1e9:.1f} GB/s; "
+            f"({floor_bytes / 1e6:.3g} MB counted by the floor); bandwidth probe {bw / 1e9:.1f} GB/s; "
             f"floor {t_floor * 1e3:.3g} ms per step = {a.batch / t_floor:.0f} tok/s at batch {a.batch}"
         )
         print("| part | ms per step | weight read rate (GB/s) | efficiency it allows |")

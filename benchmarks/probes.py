@@ -48,7 +48,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device: torch.device, reps: int) -> float:  # noqa: ANN001
+def median_time(fn, device: torch.device, reps: int) -> float:  # noqa: ANN001
     """Median seconds per call of ``fn``; calls are batched so that a repetition lasts >= 10 ms."""
     t0 = time.perf_counter()
     fn()  # warm-up
@@ -91,7 +91,7 @@ def gemm_probe(
         x = torch.randn(rows, n_in, generator=g).to(dev, dtype)
         w = torch.randn(n_out, n_in, generator=g).to(dev, dtype)
         with torch.no_grad():
-            dt = _median_time(lambda x=x, w=w: F.linear(x, w), dev, reps)
+            dt = median_time(lambda x=x, w=w: F.linear(x, w), dev, reps)
         flops += count * 2.0 * rows * n_in * n_out
         seconds += count * dt
     return flops / seconds
@@ -120,5 +120,5 @@ def bandwidth_probe(
     if nbytes is None:
         nbytes = 2 * 1024**3 if dev.type == "cuda" else max(8 * last_level_cache_bytes(), 2**28)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-    dt = _median_time(lambda: x.sum(), dev, reps)
+    dt = median_time(lambda: x.sum(), dev, reps)
     return x.numel() * 4 / dt
