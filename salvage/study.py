@@ -18,6 +18,7 @@ A study file::
         - {model.init_args.lambda_pair: 0}
         - "--model.init_args.beta 0.2"
     seed_keys: [seed_everything, data.init_args.seed, model.init_args.seed]  # the default
+    order: seeds                  # run every method of seed 0, then of seed 1, ... (default: methods)
     ray_resources: {num_gpus: 1, num_cpus: 4}    # optional, --backend ray only
     prepare:                      # optional set-up before the runs (e.g. a shared warm start):
       - creates: runs/warmstart/x_policy        # skipped when this path exists
@@ -79,6 +80,7 @@ STUDY_KEYS = {
     "seed_keys",
     "ray_resources",
     "prepare",
+    "order",
 }
 
 
@@ -97,6 +99,9 @@ class Study:
     ray_resources: dict[str, float] | None = None
     prepare: list[tuple[Path, list[str]]] = field(default_factory=list)
     """Set-up steps before the runs: (path the step creates, ``salvage`` arguments)."""
+    order: str = "methods"
+    """Run order: ``methods`` (each method's seeds in turn) or ``seeds`` (every method of a
+    seed before the next seed: a study stopped part-way holds whole paired seeds)."""
 
 
 @dataclass
@@ -244,7 +249,11 @@ def load_study(path: str | Path) -> Study:
         if not isinstance(step["creates"], str) or not step["creates"]:
             raise _err(file, f"{key}.creates", step["creates"], "must be a path")
         prepare.append((Path(step["creates"]), list(args)))
+    order = spec.get("order", "methods")
+    if order not in ("methods", "seeds"):
+        raise _err(file, "order", order, "must be 'methods' or 'seeds'")
     return Study(
+        order=order,
         name=name,
         file=file.resolve(),
         base=base,
@@ -259,17 +268,21 @@ def load_study(path: str | Path) -> Study:
 
 
 def plan(study: Study, out: Path) -> list[Run]:
-    """Every (method, seed) run of the study, methods in file order, then seeds."""
+    """Every (method, seed) run of the study: methods in file order, then seeds (``order:
+    seeds``: seeds in file order, then methods)."""
     runs = []
-    for m, (configs, toks) in study.methods.items():
-        for s in study.seeds:
-            d = out / m / f"seed{s}"
-            args = [a for c in study.base for a in ("--config", str(c))] + study.overrides
-            args += [a for c in configs for a in ("--config", str(c))] + toks
-            for k in study.seed_keys:
-                args += [f"--{k}", str(s)]
-            args += ["--trainer.default_root_dir", str(d)]
-            runs.append(Run(m, s, d, args))
+    pairs = [(m, s) for m in study.methods for s in study.seeds]
+    if study.order == "seeds":
+        pairs = [(m, s) for s in study.seeds for m in study.methods]
+    for m, s in pairs:
+        configs, toks = study.methods[m]
+        d = out / m / f"seed{s}"
+        args = [a for c in study.base for a in ("--config", str(c))] + study.overrides
+        args += [a for c in configs for a in ("--config", str(c))] + toks
+        for k in study.seed_keys:
+            args += [f"--{k}", str(s)]
+        args += ["--trainer.default_root_dir", str(d)]
+        runs.append(Run(m, s, d, args))
     return runs
 
 

@@ -31,7 +31,7 @@ def test_alfworld_error_names_the_split_keys_that_are_read(monkeypatch):
 
 @pytest.mark.parametrize("path", ALFWORLD_CONFIGS, ids=lambda p: p.name)
 def test_alfworld_one_liners_set_the_data_path_of_every_split(path, tmp_path, monkeypatch):
-    """The command on a config's first line, run as written, points train and val at the data."""
+    """The command on a config's first line, run as written, points train, val and test at the data."""
     from salvage.cli import SalvageCLI
 
     first = path.read_text().splitlines()[0]
@@ -55,7 +55,7 @@ def test_alfworld_one_liners_set_the_data_path_of_every_split(path, tmp_path, mo
     env = cli.config["data"]["init_args"]["env"]
     assert env["train_tasks"]["data_path"] == str(tmp_path)
     assert env["val_tasks"]["data_path"] == str(tmp_path)
-    assert env["test_tasks"] is None  # the test split reads val_tasks
+    assert env["test_tasks"]["data_path"] == str(tmp_path)  # valid_unseen
 
 
 # ---------------------------------------------------------------------- WebShop data_dir
@@ -76,7 +76,7 @@ def test_webshop_data_dir_starting_with_synthetic_is_the_users_folder(
     monkeypatch.chdir(tmp_path)
     mine = write_catalogue(tmp_path / "synthetic_v2", seed=5, products=30, goals=12)
     assert webshop.resolve_data_dir("synthetic_v2") == mine.resolve()
-    tasks = webshop.WebShopEnv.list_tasks("val", data_dir="synthetic_v2", eval_goals=12)
+    tasks = webshop.WebShopEnv.list_tasks("test", data_dir="synthetic_v2", eval_goals=12)
     assert {t["data_dir"] for t in tasks} == {str(mine.resolve())} and len(tasks) == 12
     # exactly "synthetic" (or synthetic:SEED) is the built-in catalogue
     assert webshop.resolve_data_dir("synthetic").is_relative_to(tmp_path / "cache")
@@ -111,7 +111,7 @@ def _corrupt(tmp_path, name, content):
 def test_malformed_webshop_files_are_named(webshop, tmp_path, name, content, what):
     d, path = _corrupt(tmp_path, name, content)
     with pytest.raises(DataError) as e:
-        webshop.WebShopEnv.list_tasks("val", data_dir=str(d), eval_goals=8)
+        webshop.WebShopEnv.list_tasks("test", data_dir=str(d), eval_goals=8)
     assert str(path) in str(e.value) and what in str(e.value)
 
 

@@ -37,7 +37,7 @@ def data(tmp_path_factory):
 
 
 def _tasks(data, split="train", **kw):
-    return WebShopEnv.list_tasks(split, data_dir=data, eval_goals=10, **kw)
+    return WebShopEnv.list_tasks(split, data_dir=data, eval_goals=10, dev_goals=10, **kw)
 
 
 # ---------------------------------------------------------------------- the score, by hand
@@ -179,13 +179,11 @@ def test_generator_writes_official_files_that_the_loader_reads(tmp_path, data):
         next(iter(human.values()))[0]
     )
     train, val, test = _tasks(data), _tasks(data, "val"), _tasks(data, "test")
-    assert len(train) == 40 and len(val) == len(test) == 10
-    assert [t["goal"] for t in val] == [
-        t["goal"] for t in test
-    ]  # val and test: the same evaluation goals
-    assert {t["goal_index"] for t in val} == set(range(10)) and {
-        t["goal_index"] for t in train
-    } == set(range(10, 50))
+    assert len(train) == 30 and len(val) == len(test) == 10
+    # the original ranges, scaled: test 0-9, dev 10-19, train 20-49 (disjoint)
+    assert {t["goal_index"] for t in test} == set(range(10))
+    assert {t["goal_index"] for t in val} == set(range(10, 20))
+    assert {t["goal_index"] for t in train} == set(range(20, 50))
     by_asin = {p["asin"]: p for p in items}
     for t in train + val:
         g = t["goal"]
@@ -196,7 +194,7 @@ def test_generator_writes_official_files_that_the_loader_reads(tmp_path, data):
     # goal order: human goals in product order, shuffled with random.seed(233) (as the original)
     order = [p["asin"] for p in items if p["asin"] in human]
     random.Random(233).shuffle(order)
-    assert [t["goal"]["asin"] for t in val + train] == order
+    assert [t["goal"]["asin"] for t in test + val + train] == order
     assert len(_tasks(data, num_tasks=3)) == 3
     assert {t["family"] for t in _tasks(data, families=["grocery"])} == {"grocery"}
 

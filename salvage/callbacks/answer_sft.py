@@ -26,7 +26,7 @@ from salvage.datamodules.rlvr import RLVRDataModule
 from salvage.errors import ConfigError
 from salvage.modules.graft import GRAFTModule
 from salvage.modules.grpo import GRPOModule
-from salvage.tasks.math import MathData, load_math_tasks, source_labels
+from salvage.tasks.math import MathData, load_math_tasks, source_labels, task_digest
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,23 @@ class AnswerSFT(OracleSFT):
         tok = module.tokenizer
         dm = attached_datamodule(trainer, RLVRDataModule)
         pairs = []
+        heldout = {
+            d: (split, tid)
+            for split in ("val", "test")
+            if split in dm.tasks
+            for tid, d in dm.task_digests(split).items()
+        }
         for src, label in zip(sources, source_labels(sources, "AnswerSFT.data"), strict=True):
             tasks, _ = load_math_tasks(src, label)
+            seen = [(t.id, heldout[task_digest(t)]) for t in tasks if task_digest(t) in heldout]
+            if seen and not dm.allow_overlap:
+                tid, (split, held) = seen[0]
+                raise ConfigError(
+                    f"held-out data is not held out: {len(seen)} warm-start prompts of "
+                    f"AnswerSFT.data ({src.name or label}) are {split} prompts "
+                    f"({dm.split_source(split)}), e.g. {tid!r} = {split} task {held!r}; use "
+                    "disjoint sources, or set data.allow_overlap: true"
+                )
             for t in tasks:
                 resp = list(
                     tok(self.template.format(answer=t.answer), add_special_tokens=False)[

@@ -14,6 +14,7 @@ adds an ``EnvScoreMetrics`` callback logging ``<prefix>/<env>_score`` (100 x mea
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 from salvage.core.agent import AgentFormat
 from salvage.core.gigpo import GiGPOConfig, discounted_returns, gigpo_advantages, state_key
 from salvage.core.gigpo import turn_rewards as gigpo_turn_rewards
+from salvage.core.heldout import text_digest
 from salvage.core.seeds import EVAL, TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
 from salvage.envs import env_class
@@ -93,6 +95,8 @@ class AgentDataModule(RolloutDataModule):
         adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
         max_prompt_tokens: longer prompts keep their last tokens.
         seed: seed of task order and of every sampling stream.
+        allow_overlap: fit even when a validation / test task shows the same initial
+            observation and goal as a training task; default False refuses such a fit.
         gigpo: GiGPO step-level advantages (``salvage.core.gigpo``, docs/baselines.md): each
             turn's advantage is its episode's plus ``omega`` x its anchor-state step group's
             relative discounted return; logs ``gigpo/step_group_size`` (mean) and
@@ -117,6 +121,7 @@ class AgentDataModule(RolloutDataModule):
         max_prompt_tokens: int = 2048,
         seed: int = 0,
         gigpo: GiGPOConfig | None = None,
+        allow_overlap: bool = False,
     ) -> None:
         super().__init__(
             tasks_per_step,
@@ -128,6 +133,7 @@ class AgentDataModule(RolloutDataModule):
             adv_eps,
             reward_tol,
             adv_tol,
+            allow_overlap=allow_overlap,
         )
         if max_turns < 1:
             raise ValueError(f"data.max_turns (H) must be >= 1, got {max_turns}")
@@ -141,6 +147,7 @@ class AgentDataModule(RolloutDataModule):
         self.env_errors_total = 0
         self.gigpo = gigpo
         self._step_groups: list[int] = []  # GiGPO step-group sizes of the current rollout
+        self._digests: dict[str, str] = {}  # task (as JSON) -> content digest (held-out check)
 
     def assign_group_advantages(self, group: Group) -> None:
         """Each trajectory's advantage and the group's zero-signal flag (SPEC §1); with
@@ -186,6 +193,26 @@ class AgentDataModule(RolloutDataModule):
         if args is None:
             return None
         return env_class(spec.name).list_tasks(split, **args)
+
+    def split_source(self, split: str) -> str:
+        if split == "test" and self.env_spec.test_tasks is None:
+            return "data.env.val_tasks"
+        return f"data.env.{split}_tasks"
+
+    def task_digests(self, split: str) -> dict[str, str]:
+        """Digest of each task's initial observation and goal (one local instance of the
+        environment resets each task once; contents are cached per task id)."""
+        tasks = self.tasks[split]
+        keys = [json.dumps(t, sort_keys=True, default=str) for t in tasks]
+        todo = [(k, t) for k, t in zip(keys, tasks, strict=True) if k not in self._digests]
+        if todo:
+            env = env_class(self.env_spec.name)(**self.env_spec.kwargs)
+            try:
+                for k, t in todo:
+                    self._digests[k] = text_digest(env.task_content(t))
+            finally:
+                env.close()
+        return {t["id"]: self._digests[k] for k, t in zip(keys, tasks, strict=True)}
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

@@ -9,6 +9,7 @@ finished ``RolloutBatch`` in ``on_train_batch_start`` (where rescue stages attac
 
 from __future__ import annotations
 
+import logging
 from typing import Any, TypeVar, cast
 
 import lightning as L
@@ -16,10 +17,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from salvage.core.grpo import ADVANTAGE_ESTIMATORS, assign_advantages
+from salvage.core.heldout import Overlap, overlap
 from salvage.core.seeds import permutation_seed
 from salvage.distributed import gathered, rank_share
+from salvage.errors import ConfigError
 from salvage.rollout.config import EngineConfig, build_engine
 from salvage.types import Group, Learner, RolloutBatch, RolloutEngine
+
+log = logging.getLogger(__name__)
 
 SPLITS_FOR_STAGE = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}
 
@@ -105,6 +110,9 @@ class RolloutDataModule(L.LightningDataModule):
         reward_tol: zero-signal test: a group's rewards differ by at most this (SPEC §1).
         adv_tol: zero-signal test: every advantage is at most this in size (SPEC §1).
         tasks_key: the subclass's name of ``tasks_per_step`` in error messages.
+        allow_overlap: run a fit even when validation / test tasks have the content of a
+            training task (by digest; ``data/heldout_overlap`` logs the share). Default
+            False: such a fit is refused before any compute.
     """
 
     trainer: L.Trainer  # attached by Lightning before any hook that rolls out
@@ -121,8 +129,12 @@ class RolloutDataModule(L.LightningDataModule):
         reward_tol: float = 1e-6,
         adv_tol: float = 1e-6,
         tasks_key: str = "tasks_per_step",
+        allow_overlap: bool = False,
     ) -> None:
         super().__init__()
+        self.allow_overlap = allow_overlap
+        self.heldout_overlap: dict[str, Overlap] = {}
+        self.heldout_metrics: dict[str, float] = {}
         self.tasks_key = tasks_key
         if tasks_per_step < 1:
             raise ValueError(f"data.{tasks_key} must be >= 1, got {tasks_per_step}")
@@ -158,11 +170,55 @@ class RolloutDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def setup(self, stage: str) -> None:
-        for split in SPLITS_FOR_STAGE.get(stage, ()):
+        splits = SPLITS_FOR_STAGE.get(stage, ())
+        if stage == "fit":
+            splits = (*splits, "test")  # a fit checks every held-out split against training
+        for split in splits:
             if split not in self.tasks:
                 tasks = self.load_split(split)
                 if tasks is not None:
                     self.tasks[split] = tasks
+        if stage == "fit" and not self.heldout_overlap:
+            self.check_heldout()
+
+    # ------------------------------------------------------------------ held-out check
+    def task_digests(self, split: str) -> dict[str, str]:
+        """Task id -> content digest of a loaded split (``salvage.core.heldout``)."""
+        raise NotImplementedError
+
+    def split_source(self, split: str) -> str:
+        """The config key a split's tasks come from (named in the overlap error)."""
+        return f"data.{split}"
+
+    def check_heldout(self) -> dict[str, Overlap]:
+        """Overlap by content between the training tasks and each held-out split; refuses
+        (``ConfigError``) any overlap unless ``allow_overlap``; logs ``data/heldout_overlap``
+        (overlapping held-out tasks / held-out tasks, val and test together) and per split."""
+        if "train" not in self.tasks:
+            return {}
+        train = self.task_digests("train")
+        found: dict[str, Overlap] = {}
+        for split in ("val", "test"):
+            if split in self.tasks:
+                found[split] = overlap(split, train, self.task_digests(split))
+        self.heldout_overlap = found
+        bad = [o for o in found.values() if o.count]
+        if bad and not self.allow_overlap:
+            o = bad[0]
+            held, tr = o.pairs[0]
+            raise ConfigError(
+                f"held-out data is not held out: {o.count} of {o.n_heldout} {o.split} tasks "
+                f"({self.split_source(o.split)}) have the content of a training task "
+                f"({self.split_source('train')}), e.g. {o.split} task {held!r} = training "
+                f"task {tr!r}; use disjoint sources, or set data.allow_overlap: true"
+            )
+        for o in bad:
+            log.warning("%d of %d %s tasks are training tasks", o.count, o.n_heldout, o.split)
+        n = sum(o.n_heldout for o in found.values())
+        metrics = {"data/heldout_overlap": sum(o.count for o in found.values()) / n if n else 0.0}
+        metrics.update({f"data/heldout_overlap/{o.split}": o.frac for o in found.values()})
+        self.heldout_metrics = metrics
+        return found
 
     def train_dataloader(self) -> StepBatches:
         return StepBatches(
@@ -207,6 +263,11 @@ class RolloutDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, RolloutBatch):
             return batch
+        if self.heldout_metrics and self.trainer.training:
+            record = getattr(self.module, "record_later", None)
+            if record is not None:
+                record(self.heldout_metrics)  # once per process: the first update logs it
+                self.heldout_metrics = {}
         # only the models that generate are gathered (the reference scores in the update)
         models = self.rollout_models()
         engines = self.live_engines()

@@ -18,6 +18,7 @@ from salvage.tasks.math import (
     Reward,
     load_math_tasks,
     source_labels,
+    task_digest,
 )
 from salvage.types import Group, RolloutBatch, RolloutStats, Trajectory, Turn
 
@@ -53,6 +54,8 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         test_repeats: ``salvage test`` samples the test benchmarks this many times, each
             with its own seed, and reports per repeat, the mean and the sample std
             (``salvage test --repeats N`` sets it; the GRAFT paper averages 5 runs).
+        allow_overlap: fit even when a validation / test prompt is a training prompt (or a
+            warm-start one) by normalised text; default False refuses such a fit.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         reward: Reward | None = None,
         seed: int = 0,
         test_repeats: int = 1,
+        allow_overlap: bool = False,
     ) -> None:
         super().__init__(
             prompts_per_step,
@@ -87,6 +91,7 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
             reward_tol,
             adv_tol,
             tasks_key="prompts_per_step",
+            allow_overlap=allow_overlap,
         )
         if val_samples < 1:
             raise ValueError(f"data.val_samples must be >= 1, got {val_samples}")
@@ -123,8 +128,14 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         key = "data.val" if split == "test" and self.test_data is None else f"data.{split}"
         tasks: list[MathTask] = []
         reports = []
+        digests: set[str] = set()
         for src, label in zip(sources, source_labels(sources, key), strict=True):
             part, rep = load_math_tasks(src, label)
+            if src.dedupe:  # a prompt repeated across the split's sources counts once
+                fresh = [t for t in part if task_digest(t) not in digests]
+                rep["duplicates"] += len(part) - len(fresh)
+                part = fresh
+            digests.update(task_digest(t) for t in part)
             tasks += part
             reports.append(rep)
         seen: set[str] = set()
@@ -134,6 +145,12 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
             seen.add(t.id)
         self.data_report[split] = reports
         return tasks
+
+    def task_digests(self, split: str) -> dict[str, str]:
+        return {t.id: task_digest(t) for t in self.tasks[split]}
+
+    def split_source(self, split: str) -> str:
+        return "data.val" if split == "test" and self.test_data is None else f"data.{split}"
 
     def benchmarks(self, split: str) -> list[str]:
         """Names of the benchmarks of an evaluation split, in config order."""

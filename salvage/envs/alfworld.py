@@ -136,6 +136,12 @@ class ALFWorldEnv(ReplayEnv):
         )
         self._gamefile = gamefile
 
+    @classmethod
+    def task_text(cls, task: dict[str, Any]) -> str | None:
+        """The game file (its layout, objects and goal): resetting thousands of games at
+        start-up to read their first observation would take an hour."""
+        return Path(task["gamefile"]).read_text(encoding="utf-8", errors="replace")
+
     def _reset(self, task: dict[str, Any], seed: int) -> tuple[str, dict[str, Any]]:
         if self._gamefile != task["gamefile"]:
             self._load(task["gamefile"])

@@ -59,6 +59,20 @@ class ReplayEnv:
     def close(self) -> None:
         pass
 
+    @classmethod
+    def task_text(cls, task: dict[str, Any]) -> str | None:
+        """What the agent is shown of a task at its start, when the task dict alone tells
+        (e.g. WebShop's instruction); None: ``task_content`` resets an instance."""
+        return None
+
+    def task_content(self, task: dict[str, Any]) -> str:
+        """The held-out check's content of a task: its initial observation and goal."""
+        text = self.task_text(task)
+        if text is not None:
+            return text
+        obs, info = self.reset(task, 0)
+        return f"{obs}\n{info.get('task_description', '')}"
+
     def oracle_action(self) -> str | None:
         """The oracle's next action at the current state (None: it has none).
 

@@ -1,7 +1,10 @@
 """TextWorld-Express (extra ``twx``): coin, cookingworld, twc and the other games.
 
 A task is one generated game: ``{"game", "params", "game_seed", "fold"}``; the
-episode seed is unused (the engine is deterministic given the game seed).
+episode seed is unused (the engine is deterministic given the game seed). Each split takes
+its games from the engine's own seed range of its fold (train 0-999, dev 10000-10999, test
+20000-20999; ``seed_offset`` moves within a fold): the engine ignores ``gameFold`` when a
+seed is given, so seeds from one range would give the validation split training games.
 
 The oracle (``oracle_action()``, asked on demand) is a breadth-first planner over the
 game's admissible actions from the current state, run on a twin instance through
@@ -39,6 +42,12 @@ DEFAULT_PARAMS = {
     "mapreader": "numLocations=2,maxDistanceApart=1,includeDoors=0,maxDistractorItemsPerLocation=0",
 }
 
+
+FOLD_SEEDS = {"train": 0, "dev": 10000, "test": 20000}
+"""First game seed of each of TextWorld-Express's folds (``getValidSeedsTrain/Dev/Test``);
+the engine ignores ``gameFold`` when given a seed, so a fold IS its seed range."""
+SEEDS_PER_FOLD = 1000
+"""Valid seeds per fold (each fold's range holds this many)."""
 
 PLAN_CACHE_SIZE = 4096
 """Plans kept per process (least recently used dropped first)."""
@@ -87,14 +96,22 @@ class TWXEnv(ReplayEnv):
         if game not in GAMES:
             raise ValueError(f"twx game must be one of {GAMES}, got {game!r}")
         fold = {"train": "train", "val": "dev", "test": "test"}.get(split, split)
+        if fold not in FOLD_SEEDS:
+            raise ValueError(f"twx split must be train, val (dev) or test, got {split!r}")
+        if num_tasks < 1 or seed_offset < 0 or seed_offset + num_tasks > SEEDS_PER_FOLD:
+            raise ValueError(
+                f"twx {split} tasks: seed_offset={seed_offset} + num_tasks={num_tasks} must lie "
+                f"within the fold's {SEEDS_PER_FOLD} seeds (num_tasks >= 1, seed_offset >= 0)"
+            )
         p = DEFAULT_PARAMS.get(game, "") if params is None else params
+        first = FOLD_SEEDS[fold] + seed_offset
         return [
             {
-                "id": f"{game}/{fold}/{seed_offset + i}",
+                "id": f"{game}/{fold}/{first + i}",
                 "family": game,
                 "game": game,
                 "params": p,
-                "game_seed": seed_offset + i,
+                "game_seed": first + i,
                 "fold": fold,
             }
             for i in range(num_tasks)
@@ -113,6 +130,32 @@ class TWXEnv(ReplayEnv):
         self._plan = None
         self._task_desc = raw.get("taskDescription", "")
         return obs, self._info_from(raw)
+
+    def task_content(self, task: dict[str, Any]) -> str:
+        """The start observation, the goal, and what one action shows from the start and two
+        from it along navigation moves (``move`` / ``open``): games with one start room but
+        other maps differ here (the start view alone merged 6 of 16 dev coin games, 6 rooms,
+        with training games of other maps; with this look-ahead none)."""
+        obs, info = self.reset(task, 0)
+        parts = [obs, info.get("task_description", "")]
+        frontier: list[list[str]] = [[]]
+        for _depth in range(2):
+            nxt: list[list[str]] = []
+            for path in frontier:
+                self._replay(task, path)
+                for a in sorted(self.info["admissible"]):
+                    self._replay(task, path)
+                    res = self.step(a)
+                    parts.append(" > ".join([*path, a]) + " | " + res.observation)
+                    if not res.done and a.split(" ", 1)[0] in ("move", "open"):
+                        nxt.append([*path, a])
+            frontier = nxt
+        return "\n".join(parts)
+
+    def _replay(self, task: dict[str, Any], path: list[str]) -> None:
+        self.reset(task, 0)
+        for a in path:
+            self.step(a)
 
     def _info_from(self, raw: dict[str, Any]) -> dict[str, Any]:
         return {

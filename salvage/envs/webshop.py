@@ -14,9 +14,10 @@ index are built once per process (cached by path), since every episode has its o
 Goals. Human goals as in ``get_human_goals``: one per instruction with attributes, in product
 order, ``price_upper`` drawn from the four multiples of 10 above the product price, the text
 ``instruction.strip('.') + ", and price lower than X dollars"``; then shuffled with
-``random.seed(233)``. Goals ``0 .. eval_goals-1`` are evaluation (``val`` and ``test``), the
-rest ``train`` (``eval_goals = 500``: the split of verl-agent and the papers using it; the
-original baselines also held out 500-1499 for validation; set it smaller for a small catalogue). A task is ``{"id", "family": category, "goal": {...}, ...}``.
+``random.seed(233)``. The original ranges: goals ``0 .. eval_goals-1`` are ``test``, the next
+``dev_goals`` ``val`` and the rest ``train`` (500 / 1000: test 0-499, dev 500-1499, train
+1500-, as the original baselines; verl-agent evaluates on 0-499 and trains on the rest, i.e.
+``dev_goals: 0`` with no validation split; set both smaller for a small catalogue). A task is ``{"id", "family": category, "goal": {...}, ...}``.
 
 Pages and actions, as in the original text environment (``observation_mode="text"``): the
 page's visible strings joined by `` [SEP] ``, instruction included; ``search[query]`` on the
@@ -370,20 +371,31 @@ class WebShopEnv(ReplayEnv):
         data_dir: str | None = None,
         num_tasks: int | None = None,
         eval_goals: int = 500,
+        dev_goals: int = 1000,
         num_products: int | None = None,
         price_seed: int = 0,
         families: list[str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Goals ``0 .. eval_goals-1`` for ``val``/``test``, the rest for ``train``."""
+        """The original WebShop ranges: goals ``0 .. eval_goals-1`` are ``test``, the next
+        ``dev_goals`` are ``val`` (dev), the rest ``train`` (defaults 500 / 1000: test
+        0-499, dev 500-1499, train 1500-)."""
         if split not in ("train", "val", "test"):
             raise ValueError(f"webshop split must be train, val or test, got {split!r}")
+        if eval_goals < 1 or dev_goals < 0:
+            raise ValueError(
+                f"webshop: eval_goals must be >= 1 and dev_goals >= 0, got {eval_goals}, "
+                f"{dev_goals}"
+            )
         root = resolve_data_dir(data_dir)
         cat = load_catalogue(root, num_products, price_seed)
-        idx = (
-            range(eval_goals, len(cat.goals))
-            if split == "train"
-            else range(min(eval_goals, len(cat.goals)))
-        )
+        n = len(cat.goals)
+        bounds = {
+            "test": (0, eval_goals),
+            "val": (eval_goals, eval_goals + dev_goals),
+            "train": (eval_goals + dev_goals, n),
+        }
+        lo, hi = bounds[split]
+        idx = range(min(lo, n), min(hi, n))
         tasks = []
         for i in idx:
             g = cat.goals[i]
@@ -405,12 +417,17 @@ class WebShopEnv(ReplayEnv):
                 break
         if not tasks:
             raise ValueError(
-                f"webshop: the {split} split is empty ({len(cat.goals)} goals in {root}, "
-                f"eval_goals={eval_goals}: goals 0..{eval_goals - 1} are evaluation)"
+                f"webshop: the {split} split is empty ({n} goals in {root}; eval_goals="
+                f"{eval_goals}, dev_goals={dev_goals}: test 0..{eval_goals - 1}, val "
+                f"{eval_goals}..{eval_goals + dev_goals - 1}, train the rest)"
             )
         return tasks
 
     # -- state -----------------------------------------------------------------------
+    @classmethod
+    def task_text(cls, task: dict[str, Any]) -> str | None:
+        return str(task["description"])  # the instruction is all a goal shows at its start
+
     def _reset(self, task: dict[str, Any], seed: int) -> tuple[str, dict[str, Any]]:
         self._cat = load_catalogue(
             resolve_data_dir(task["data_dir"]), task.get("num_products"), task.get("price_seed", 0)

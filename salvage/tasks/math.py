@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from salvage.core.heldout import in_digest_part, text_digest
 from salvage.errors import ConfigError, DataError, MissingFileError
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,14 @@ class MathData:
     """Append SPEC's "Let's think step by step ... \\boxed{}." to problems lacking it."""
     rg_kwargs: dict[str, Any] = field(default_factory=dict)
     """reasoning-gym only: extra generator parameters (e.g. ``min_terms``)."""
+    dedupe: bool = True
+    """Drop a task whose normalised prompt text repeats an earlier one of the source."""
+    split_frac: float | None = None
+    """Digest split: keep one part of the distinct prompts, chosen by their content digest
+    (``split_part``); the ``heldout`` and ``train`` parts of one pool are disjoint."""
+    split_part: str = "train"
+    """Digest split part: ``heldout`` (digests in the first ``split_frac`` of the hash
+    space) or ``train`` (the rest)."""
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -167,6 +176,18 @@ class MathData:
             raise ValueError(f"data size must be >= 1, got {self.size}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"data limit must be >= 1 or null, got {self.limit}")
+        if self.split_frac is not None and not 0.0 < self.split_frac < 1.0:
+            raise ConfigError(f"data split_frac must be in (0, 1) or null, got {self.split_frac}")
+        if self.split_part not in ("train", "heldout"):
+            raise ConfigError(
+                f"data split_part must be 'train' or 'heldout', got {self.split_part!r}"
+            )
+
+
+def task_digest(task: MathTask) -> str:
+    """A math task's content digest: its normalised prompt messages (SPEC's suffix included,
+    as the policy sees them)."""
+    return text_digest(*(m["content"] for m in task.messages))
 
 
 def _with_suffix(problem: str, add: bool) -> str:
@@ -179,7 +200,9 @@ def _with_suffix(problem: str, add: bool) -> str:
 def load_math_tasks(
     data: MathData, label: str | None = None
 ) -> tuple[list[MathTask], dict[str, Any]]:
-    """Tasks plus a report ``{"rows": n, "skipped": k, "examples": [...]}``.
+    """Tasks plus a report ``{"rows": n, "skipped": k, "duplicates": d, "outside_split": o,
+    "examples": [...]}`` (repeated prompts dropped when ``data.dedupe``; a digest split
+    keeps only its part).
 
     ``label``: the task-id prefix (default: ``source_labels([data])[0]``, the file stem or
     the reasoning-gym task name); a split of several sources passes ``source_labels``'s.
@@ -196,6 +219,8 @@ def load_math_tasks(
     tasks: list[MathTask] = []
     skipped: list[str] = []
     first_seen: dict[str, str] = {}
+    seen_digests: set[str] = set()
+    duplicates = outside = 0
     bench = data.name or label
     for i, row in enumerate(rows):
         try:
@@ -210,6 +235,17 @@ def load_math_tasks(
                 "(fix or drop the id field)"
             )
         first_seen[task.id] = where[i]
+        digest = task_digest(task)
+        if data.dedupe:
+            if digest in seen_digests:
+                duplicates += 1
+                continue
+            seen_digests.add(digest)
+        if data.split_frac is not None and not in_digest_part(
+            digest, data.split_frac, data.split_part
+        ):
+            outside += 1
+            continue
         task.meta["family"] = bench
         tasks.append(task)
         if data.limit is not None and len(tasks) >= data.limit:
@@ -227,9 +263,13 @@ def load_math_tasks(
             + (f"; first: {skipped[0]}" if skipped else "")
             + ")"
         )
+    if duplicates:
+        log.info("%s: dropped %d repeated prompts", data.source, duplicates)
     return tasks, {
-        "rows": len(tasks) + len(skipped),
+        "rows": len(tasks) + len(skipped) + duplicates + outside,
         "skipped": len(skipped),
+        "duplicates": duplicates,
+        "outside_split": outside,
         "examples": skipped[:3],
     }
 
