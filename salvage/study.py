@@ -432,7 +432,7 @@ def _regime(
         if extra:
             raise _err(
                 file,
-                f"{key}.{extra[0]}",
+                f"{key}[{extra[0]!r}]",
                 c[extra[0]],
                 "is not a criterion key (metric, steps, stat, and one of >=, <=, >, <)",
             )
@@ -451,7 +451,7 @@ def _regime(
             )
         op = ops[0]
         if not _number(c[op]):
-            raise _err(file, f"{key}.{op}", c[op], "must be a finite number")
+            raise _err(file, f"{key}[{op!r}]", c[op], "must be a finite number")
         stat = c.get("stat", "mean")
         if stat not in STATS:
             raise _err(file, f"{key}.stat", stat, f"must be one of {', '.join(STATS)}")

@@ -14,7 +14,20 @@ from pathlib import Path
 import pytest
 
 from salvage.compare import compare, heldout_keys, read_run
-from salvage.study import execute, load_study, plan, ray_resources, run_env, run_study
+from salvage.study import (
+    Busy,
+    Criterion,
+    evaluate,
+    execute,
+    load_study,
+    lock,
+    plan,
+    ray_resources,
+    regime_table,
+    run_env,
+    run_study,
+)
+from salvage.study import main as study_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/grpo/math_tiny.yaml"
@@ -48,6 +61,221 @@ def test_study_file_errors_name_the_file_key_and_value(tmp_path):
         load_study(f)
     with pytest.raises(ValueError, match="does not exist"):
         load_study(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "-x", "a/b", "a b", ""])
+def test_method_names_are_plain_names(tmp_path, name):
+    # a method named `..` would put its runs outside --out
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{'{name}': []}}\n")
+    with pytest.raises(ValueError, match=r"s.yaml: methods=.* method names must be plain names"):
+        load_study(f)
+    _write(f, f"base: {TINY}\nseeds: [0]\nmethods: {{grpo_v1.2-b: []}}\n")
+    assert list(load_study(f).methods) == ["grpo_v1.2-b"]
+
+
+REGIME_STUDY = f"base: {TINY}\nbaseline: b\nseeds: [4, 5]\nmethods: {{a: [], b: []}}\n"
+
+
+@pytest.mark.parametrize(
+    ("regime", "match"),
+    [
+        (
+            "{criteria: [{metric: m, stat: median, '>=': 0}]}",
+            r"regime.criteria\[0\].stat='median' must be one of mean, min, max, last",
+        ),
+        (
+            "{criteria: [{metric: m, '>=': 0, '<': 1}]}",
+            r"regime.criteria\[0\]=.* needs exactly one comparison key .*\['>=', '<'\]",
+        ),
+        (
+            "{criteria: [{metric: m}]}",
+            r"regime.criteria\[0\]=.* needs exactly one comparison key .*none",
+        ),
+        (
+            "{criteria: [{metric: m, '>=': high}]}",
+            r"regime.criteria\[0\]\['>='\]='high' must be a finite number",
+        ),
+        (
+            "{criteria: [{metric: m, '>=': true}]}",
+            r"regime.criteria\[0\]\['>='\]=True must be a finite number",
+        ),
+        (
+            "{criteria: [{metric: m, '=': 1}]}",
+            r"regime.criteria\[0\]\['='\]=1 is not a criterion key",
+        ),
+        (
+            "{criteria: [{metric: m, steps: [3, 1], '>=': 0}]}",
+            r"regime.criteria\[0\].steps=\[3, 1\] must be \[first, last\]",
+        ),
+        (
+            "{criteria: [{metric: m, steps: [0, 2], '>=': 0}]}",
+            r"regime.criteria\[0\].steps=\[0, 2\] must be",
+        ),
+        ("{criteria: [{'>=': 0}]}", r"regime.criteria\[0\].metric=None must be a metric name"),
+        ("{criteria: []}", r"regime.criteria=\[\] must be a non-empty list"),
+        (
+            "{method: c, criteria: [{metric: m, '>=': 0}]}",
+            r"regime.method='c' is not one of the methods \['a', 'b'\]",
+        ),
+        ("{seed: x, criteria: [{metric: m, '>=': 0}]}", r"regime.seed='x' must be an integer"),
+        ("{when: 1, criteria: [{metric: m, '>=': 0}]}", r"regime.when=1 is not a regime key"),
+        ("[1]", r"regime=\[1\] must be a mapping"),
+    ],
+)
+def test_regime_block_errors_name_the_file_key_and_value(tmp_path, regime, match):
+    f = _write(tmp_path / "s.yaml", REGIME_STUDY + f"regime: {regime}\n")
+    with pytest.raises(ValueError, match=r"s.yaml: " + match):
+        load_study(f)
+
+
+def test_regime_block_defaults_and_the_calibration_run(tmp_path):
+    from salvage.study import calibration_run
+
+    f = _write(
+        tmp_path / "s.yaml",
+        REGIME_STUDY + "regime:\n  overrides: {trainer.max_steps: 3}\n"
+        "  criteria:\n    - {metric: rollout/zero_signal_frac, steps: [1, 3], '>=': 0.6}\n"
+        "    - {metric: graft/admitted_frac, stat: last, '<': 1}\n",
+    )
+    study = load_study(f)
+    assert study.regime is not None
+    assert (study.regime.method, study.regime.seed) == ("b", 4)  # the baseline, the first seed
+    assert study.regime.criteria == [
+        Criterion("rollout/zero_signal_frac", ">=", 0.6, "mean", (1, 3)),
+        Criterion("graft/admitted_frac", "<", 1.0, "last", None),
+    ]
+    assert study.regime.criteria[0].describe() == (
+        "mean rollout/zero_signal_frac over updates 1-3 >= 0.6"
+    )
+    cal = calibration_run(study, tmp_path / "o")
+    record = next(r for r in plan(study, tmp_path / "o") if (r.method, r.seed) == ("b", 4))
+    assert cal is not None and cal.calibration
+    assert cal.dir == tmp_path / "o" / "_calibration" / "b" / "seed4"
+    # the record run's arguments, then the regime's overrides, then the calibration's dir
+    assert cal.args == [
+        *record.args[:-2],
+        "--trainer.max_steps",
+        "3",
+        "--trainer.default_root_dir",
+        str(cal.dir),
+    ]
+    assert run_env(study, cal)["WANDB_NAME"] == "calibration-b-seed4"
+    _write(f, REGIME_STUDY + "regime: {method: a, seed: 9, criteria: [{metric: m, '>': 0}]}\n")
+    assert (load_study(f).regime.method, load_study(f).regime.seed) == ("a", 9)
+
+
+def test_criteria_on_hand_made_metrics():
+    # update k is metrics.csv's step k - 1
+    series = {
+        "rollout/zero_signal_frac": {0.0: 1.0, 1.0: 0.5, 2.0: 0.0, 3.0: 0.25},
+        "train/lr": {0.0: 1e-4, 1.0: 2e-4},
+    }
+    crit = [
+        Criterion("rollout/zero_signal_frac", ">=", 0.5, "mean", (1, 3)),  # (1 + .5 + 0) / 3
+        Criterion("rollout/zero_signal_frac", ">", 0.5, "mean", (1, 3)),
+        Criterion("rollout/zero_signal_frac", "<=", 0.0, "min", (2, 3)),
+        Criterion("rollout/zero_signal_frac", "<", 0.5, "max", (2, 4)),  # max(.5, 0, .25)
+        Criterion("rollout/zero_signal_frac", ">=", 0.25, "last"),
+        Criterion("rollout/zero_signal_frac", ">=", 0.4375, "mean"),  # all four: 1.75 / 4
+        Criterion("rollout/zero_signal_frac", ">=", 0.0, "mean", (5, 9)),
+        Criterion("graft/admitted_frac", ">=", 0.3),
+    ]
+    got = evaluate(crit, series)
+    assert [(v.value, v.passed, v.rows) for v in got] == [
+        (0.5, True, 3),
+        (0.5, False, 3),
+        (0.0, True, 2),
+        (0.5, False, 3),
+        (0.25, True, 4),
+        (0.4375, True, 4),
+        (None, False, 0),
+        (None, False, 0),
+    ]
+    assert got[6].why == (
+        "rollout/zero_signal_frac has no row in updates 5-9 (logged at updates 1-4)"
+    )
+    assert got[7].why == (
+        "graft/admitted_frac is not in the calibration's metrics.csv "
+        "(it has: rollout/zero_signal_frac, train/lr)"
+    )
+    assert got[1].line() == (
+        "mean rollout/zero_signal_frac over updates 1-3 > 0.5: measured 0.5 over 3 update(s)"
+    )
+    many = {f"m{i:02d}": {0.0: 1.0} for i in range(25)}
+    why = evaluate([Criterion("x", ">", 0)], many)[0].why
+    assert "m00, m01" in why and "m19" in why and "m20" not in why and "(+5 more)" in why
+    table = regime_table(got[:2]).splitlines()
+    assert table[0].split() == ["metric", "stat", "updates", "value", "threshold", "result"]
+    assert table[1].split() == [
+        "rollout/zero_signal_frac",
+        "mean",
+        "1-3",
+        "0.5",
+        ">=",
+        "0.5",
+        "pass",
+    ]
+    assert table[2].split()[-1] == "FAIL"
+
+
+def test_a_stopped_run_is_not_done_and_resumes_on_the_next_call(tmp_path, monkeypatch, capsys):
+    # a stand-in fit: without --ckpt_path it writes a checkpoint and exits 75 (stopped by
+    # SIGTERM); resumed, it exits 0
+    from salvage import study as study_mod
+
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: []}}\n")
+    script = (
+        "import os, sys; d = sys.argv[1]\n"
+        "if '--ckpt_path' in sys.argv: raise SystemExit(0)\n"
+        "os.makedirs(d + '/version_0/checkpoints', exist_ok=True)\n"
+        "open(d + '/version_0/checkpoints/last.ckpt', 'w').write('x'); raise SystemExit(75)"
+    )
+    real = study_mod.Run.command
+    monkeypatch.setattr(
+        study_mod.Run,
+        "command",
+        lambda self: [sys.executable, "-c", script, str(self.dir), *real(self)[4:]],
+    )
+    out = tmp_path / "o"
+    run = out / "grpo" / "seed0"
+    assert run_study(f, out) == 75
+    got = capsys.readouterr()
+    assert "grpo seed 0: stopped by a signal (exit 75); resumes on the next call" in got.out
+    assert "1 run(s) stopped by a signal (grpo/seed0)" in got.err and "failed" not in got.err
+    assert not (run / "done.json").exists()
+    assert not (run / "child.pid").exists()
+    assert run_study(f, out) == 0
+    assert "1 runs, 0 done, 1 to run" in capsys.readouterr().out
+    done = json.loads((run / "done.json").read_text())
+    assert done["command"][-2:] == ["--ckpt_path", "last"]
+
+
+def test_locks_name_their_holder(tmp_path, capsys):
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: []}}\n")
+    out = tmp_path / "o"
+    out.mkdir()
+    held = lock(out / ".lock", "study dir")  # as a running study holds it
+    try:
+        with pytest.raises(SystemExit) as e:
+            study_main([str(f), "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(
+            f"salvage study: error: study dir {out} is in use by pid {os.getpid()} on "
+        )
+        assert len(err.splitlines()) == 1 and " since 20" in err
+        assert not (out / "grpo").exists()  # nothing ran
+    finally:
+        held.close()
+    run = tmp_path / "r"
+    run.mkdir()
+    held = lock(run / ".lock", "run dir")
+    try:
+        with pytest.raises(Busy, match=rf"run dir {run} is in use by pid {os.getpid()}"):
+            execute([sys.executable, "-c", "pass"], str(run), dict(os.environ))
+    finally:
+        held.close()
+    assert execute([sys.executable, "-c", "pass"], str(run), dict(os.environ)) == 0  # free again
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "studies").glob("*.yaml")), ids=lambda p: p.name)
