@@ -652,3 +652,167 @@ def test_prepare_steps_run_once_before_the_runs_and_a_failure_stops_the_study(
     wrong = _write(tmp_path / "w.yaml", body + "prepare:\n  - {creates: x}\n")
     with pytest.raises(ValueError, match=r"prepare\[0\].*exactly 'creates' and 'run'"):
         load_study(wrong)
+
+
+# ---------------------------------------------------------------- processes, signals, regime
+
+
+MICRO = (
+    "overrides:\n"
+    "  trainer.max_steps: {steps}\n"
+    "  trainer.enable_progress_bar: false\n"
+    "  data.init_args.prompts_per_step: 2\n"
+    "  data.init_args.engine.max_new_tokens: 8\n"
+)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _running_child(proc: subprocess.Popen, run: Path) -> int:
+    """Wait until the study's fit in ``run`` has done an update; its pid."""
+    deadline = time.time() + 120
+    while not ((run / "child.pid").exists() and any(run.glob("version_*/checkpoints/last.ckpt"))):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.time() < deadline, "no update after 120 s"
+        time.sleep(0.05)
+    return int((run / "child.pid").read_text())
+
+
+def _stopped_after(run: Path, timeout: float = 10.0) -> int:
+    """The update count ``salvage fit`` printed when a signal stopped it."""
+    import re
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = re.search(r"fit stopped by SIGTERM after (\d+) update", (run / "fit.log").read_text())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.1)
+    raise AssertionError((run / "fit.log").read_text())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_kill_9_of_a_study_stops_its_fit_and_the_next_call_resumes_it(tmp_path):
+    f = _write(
+        tmp_path / "s.yaml",
+        f"base: {TINY}\nseeds: [0]\n" + MICRO.format(steps=100000) + "methods: {grpo: []}\n",
+    )
+    out = tmp_path / "study"
+    run = out / "grpo" / "seed0"
+    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = _running_child(proc, run)
+    assert os.getpgid(child) == child != proc.pid  # its own session
+    # a second study on the same dir: exit 2, naming the first
+    second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"is in use by pid {proc.pid} on " in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1
+
+    os.kill(proc.pid, signal.SIGKILL)  # the study only, not its fit
+    proc.wait()
+    deadline = time.time() + 10
+    while _alive(child):
+        assert time.time() < deadline, "the fit outlived its study by 10 s"
+        time.sleep(0.1)
+    n = _stopped_after(run)  # it got SIGTERM, ended its update and checkpointed
+    assert not (run / "done.json").exists()
+    with lock(run / ".lock", "run dir"):  # nobody holds the run any more
+        pass
+    # the next call resumes it (to one update more, so that it ends)
+    _write(f, f.read_text().replace("max_steps: 100000", f"max_steps: {n + 1}"))
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resuming grpo seed 0" in res.stdout
+    assert json.loads((run / "done.json").read_text())["command"][-2:] == ["--ckpt_path", "last"]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_signalled_study_stops_its_fits_and_exits_nonzero(tmp_path, sig, code):
+    f = _write(
+        tmp_path / "s.yaml",
+        f"base: {TINY}\nseeds: [0, 1]\n" + MICRO.format(steps=100000) + "methods: {grpo: []}\n",
+    )
+    out = tmp_path / "study"
+    run = out / "grpo" / "seed0"
+    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    child = _running_child(proc, run)
+    proc.send_signal(sig)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, text
+    assert not _alive(child)
+    assert "stopping the running fits" in text
+    assert "grpo seed 0: stopped by a signal (exit 75); resumes on the next call" in text
+    assert "1 run(s) stopped by a signal (grpo/seed0), 1 not started" in text
+    _stopped_after(run)
+    assert not (run / "done.json").exists() and not (out / "grpo" / "seed1").exists()
+
+
+def test_regime_check_gates_the_record_runs(tmp_path, capsys):
+    """One calibration and two record runs of the tiny config: a failing criterion starts no
+    record run (exit 3); a passing one starts them; --skip-regime starts them anyway."""
+    body = f"base: {TINY}\nbaseline: grpo\nseeds: [0]\n" + MICRO.format(steps=1)
+    body += "methods: {grpo: []}\nregime:\n  overrides: {trainer.max_steps: 2}\n  criteria:\n"
+    always = "    - {metric: rollout/zero_signal_frac, steps: [1, 2], '>=': 0}\n"
+    never = "    - {metric: rollout/zero_signal_frac, stat: max, '>=': 2}\n"
+    missing = "    - {metric: graft/admitted_frac, '>=': 0.3}\n"
+    f = _write(tmp_path / "s.yaml", body + always + never + missing)
+    out = tmp_path / "study"
+    cal, record = out / "_calibration" / "grpo" / "seed0", out / "grpo" / "seed0"
+
+    with pytest.raises(SystemExit) as e:
+        study_main([str(f), "--out", str(out)])
+    assert e.value.code == 3
+    got = capsys.readouterr()
+    assert not record.exists()
+    assert json.loads((cal / "done.json").read_text())["returncode"] == 0
+    regime = json.loads((out / "regime.json").read_text())
+    assert (regime["passed"], regime["skipped"]) == (False, False)
+    assert regime["command"][-2:] == ["--trainer.default_root_dir", str(cal)]
+    always_r, never_r, missing_r = regime["criteria"]
+    assert always_r["result"] == "pass" and always_r["rows"] == 2
+    assert never_r["result"] == "FAIL" and 0 <= never_r["value"] <= 1
+    assert missing_r["value"] is None and "rollout/zero_signal_frac" in missing_r["why"]
+    fails = [line for line in got.err.splitlines() if line.startswith("regime: FAIL: ")]
+    assert len(fails) == 2
+    assert fails[0].startswith("regime: FAIL: max rollout/zero_signal_frac >= 2: measured ")
+    assert "graft/admitted_frac is not in the calibration's metrics.csv (it has: " in fails[1]
+    assert "| rollout/zero_signal_frac" not in got.out  # a plain table
+    table = got.out[got.out.index("regime check on calibration grpo seed 0") :].splitlines()
+    assert table[1].split()[0] == "metric" and table[2].split()[-1] == "pass"
+    assert json.loads((out / "study.json").read_text())["regime"]["passed"] is False
+
+    _write(f, body + always)  # passes: the record run starts
+    assert run_study(f, out) == 0
+    got = capsys.readouterr()
+    assert "regime check: calibration" not in got.out  # reused
+    assert "1 runs, 0 done, 1 to run" in got.out and "starting grpo seed 0" in got.out
+    assert json.loads((record / "done.json").read_text())["returncode"] == 0
+    regime = json.loads((out / "regime.json").read_text())
+    assert (regime["passed"], regime["skipped"]) == (True, False)
+
+    # a second seed, the failing criterion back, --skip-regime: the new run starts anyway
+    _write(f, (body + never).replace("seeds: [0]", "seeds: [0, 1]"))
+    assert run_study(f, out, skip_regime=True) == 0
+    got = capsys.readouterr()
+    assert "--skip-regime: starting the record runs anyway" in got.out
+    assert "starting grpo seed 1" in got.out
+    assert json.loads((out / "grpo" / "seed1" / "done.json").read_text())["returncode"] == 0
+    regime = json.loads((out / "regime.json").read_text())
+    assert (regime["passed"], regime["skipped"]) == (False, True)
+    assert json.loads((out / "study.json").read_text())["regime"]["skipped"] is True
