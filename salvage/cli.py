@@ -21,6 +21,12 @@
 - A user error (``salvage.errors.SalvageError``: a bad data file, config value or model
   path; an unreadable ``--config`` YAML) prints one line ``salvage: error: ...`` naming
   the file or key and exits with status 2; ``--debug`` anywhere shows the traceback.
+- Exit status: 0 when the subcommand finished; 2 for a user error; 75 (``EX_TEMPFAIL``) when
+  ``fit``/``validate``/``test`` was stopped by SIGTERM (Lightning ends the update in flight,
+  ``last.ckpt`` holds it: resume with ``--ckpt_path last``); 130 when stopped by SIGINT
+  (Ctrl-C; ``last.ckpt`` holds the last finished update, so it resumes the same way);
+  anything else is a failure. A run that exits 75 or 130 is never "done": ``salvage study``
+  resumes it on its next call.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E4
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger  # noqa: E402
+from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
 
 from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
 from salvage.callbacks.dashboard import WandbDashboard  # noqa: E402
@@ -57,6 +64,11 @@ from salvage.loggers import SafeCSVLogger, WandbLogger  # noqa: E402
 
 # dataclass fields document themselves with a string under the field: show it in --help
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+EXIT_STOPPED = 75
+"""Exit status of a run stopped by SIGTERM (``EX_TEMPFAIL``): resumable with ``--ckpt_path last``."""
+EXIT_INTERRUPTED = 130
+"""Exit status of a run stopped by SIGINT (130, the shell's Ctrl-C status): resumable too."""
 
 
 class ResumeError(ConfigError):
@@ -123,6 +135,41 @@ class SalvageCLI(LightningCLI):
             help="Print the estimated memory per GPU of each phase (rollout, update) for this "
             "config and exit, before any weights are loaded (salvage.core.memory).",
         )
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a stop by signal exits 75 (SIGTERM) or 130 (SIGINT), never 0.
+
+        Lightning turns SIGTERM into ``SIGTERMException`` (a ``SystemExit`` without a code, so
+        status 0) after the update in flight, whose checkpoint is then written, and SIGINT
+        into ``sys.exit(1)``; salvage names both.
+        """
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            raise SystemExit(self._stopped("SIGTERM", EXIT_STOPPED)) from None
+        except SystemExit as e:
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise SystemExit(self._stopped("SIGINT", EXIT_INTERRUPTED)) from None
+            raise
+        except KeyboardInterrupt:
+            raise SystemExit(self._stopped("SIGINT", EXIT_INTERRUPTED)) from None
+
+    def _stopped(self, what: str, code: int) -> int:
+        """The line a stopped run prints; returns its exit status."""
+        trainer = getattr(self, "trainer", None)
+        step = getattr(trainer, "global_step", None)
+        after = f" after {step} update(s)" if step is not None else ""
+        resume = (
+            "; resume with the same command and --ckpt_path last"
+            if self.subcommand == "fit"
+            else ""
+        )
+        print(
+            f"salvage: {self.subcommand} stopped by {what}{after} (exit {code}){resume}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
 
     def _parse_ckpt_path(self) -> None:
         """Never read settings from a checkpoint into the config.
@@ -342,12 +389,16 @@ def _run(argv: list[str], from_sys_argv: bool = False) -> None:
     check_config_files(argv)
     if from_sys_argv:
         sys.argv[1:] = argv  # without --debug; LightningCLI reads sys.argv itself
-    SalvageCLI(
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=None if from_sys_argv else argv,
-        auto_configure_optimizers=False,
-    )
+    try:
+        SalvageCLI(
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=None if from_sys_argv else argv,
+            auto_configure_optimizers=False,
+        )
+    except KeyboardInterrupt:  # Ctrl-C while parsing or building, before the trainer ran
+        print("salvage: stopped by SIGINT", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 def quiet_third_parties() -> None:

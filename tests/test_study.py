@@ -14,7 +14,20 @@ from pathlib import Path
 import pytest
 
 from salvage.compare import compare, heldout_keys, read_run
-from salvage.study import execute, load_study, plan, ray_resources, run_env, run_study
+from salvage.study import (
+    Busy,
+    Criterion,
+    evaluate,
+    execute,
+    load_study,
+    lock,
+    plan,
+    ray_resources,
+    regime_table,
+    run_env,
+    run_study,
+)
+from salvage.study import main as study_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/grpo/math_tiny.yaml"
@@ -48,6 +61,221 @@ def test_study_file_errors_name_the_file_key_and_value(tmp_path):
         load_study(f)
     with pytest.raises(ValueError, match="does not exist"):
         load_study(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "-x", "a/b", "a b", ""])
+def test_method_names_are_plain_names(tmp_path, name):
+    # a method named `..` would put its runs outside --out
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{'{name}': []}}\n")
+    with pytest.raises(ValueError, match=r"s.yaml: methods=.* method names must be plain names"):
+        load_study(f)
+    _write(f, f"base: {TINY}\nseeds: [0]\nmethods: {{grpo_v1.2-b: []}}\n")
+    assert list(load_study(f).methods) == ["grpo_v1.2-b"]
+
+
+REGIME_STUDY = f"base: {TINY}\nbaseline: b\nseeds: [4, 5]\nmethods: {{a: [], b: []}}\n"
+
+
+@pytest.mark.parametrize(
+    ("regime", "match"),
+    [
+        (
+            "{criteria: [{metric: m, stat: median, '>=': 0}]}",
+            r"regime.criteria\[0\].stat='median' must be one of mean, min, max, last",
+        ),
+        (
+            "{criteria: [{metric: m, '>=': 0, '<': 1}]}",
+            r"regime.criteria\[0\]=.* needs exactly one comparison key .*\['>=', '<'\]",
+        ),
+        (
+            "{criteria: [{metric: m}]}",
+            r"regime.criteria\[0\]=.* needs exactly one comparison key .*none",
+        ),
+        (
+            "{criteria: [{metric: m, '>=': high}]}",
+            r"regime.criteria\[0\]\['>='\]='high' must be a finite number",
+        ),
+        (
+            "{criteria: [{metric: m, '>=': true}]}",
+            r"regime.criteria\[0\]\['>='\]=True must be a finite number",
+        ),
+        (
+            "{criteria: [{metric: m, '=': 1}]}",
+            r"regime.criteria\[0\]\['='\]=1 is not a criterion key",
+        ),
+        (
+            "{criteria: [{metric: m, steps: [3, 1], '>=': 0}]}",
+            r"regime.criteria\[0\].steps=\[3, 1\] must be \[first, last\]",
+        ),
+        (
+            "{criteria: [{metric: m, steps: [0, 2], '>=': 0}]}",
+            r"regime.criteria\[0\].steps=\[0, 2\] must be",
+        ),
+        ("{criteria: [{'>=': 0}]}", r"regime.criteria\[0\].metric=None must be a metric name"),
+        ("{criteria: []}", r"regime.criteria=\[\] must be a non-empty list"),
+        (
+            "{method: c, criteria: [{metric: m, '>=': 0}]}",
+            r"regime.method='c' is not one of the methods \['a', 'b'\]",
+        ),
+        ("{seed: x, criteria: [{metric: m, '>=': 0}]}", r"regime.seed='x' must be an integer"),
+        ("{when: 1, criteria: [{metric: m, '>=': 0}]}", r"regime.when=1 is not a regime key"),
+        ("[1]", r"regime=\[1\] must be a mapping"),
+    ],
+)
+def test_regime_block_errors_name_the_file_key_and_value(tmp_path, regime, match):
+    f = _write(tmp_path / "s.yaml", REGIME_STUDY + f"regime: {regime}\n")
+    with pytest.raises(ValueError, match=r"s.yaml: " + match):
+        load_study(f)
+
+
+def test_regime_block_defaults_and_the_calibration_run(tmp_path):
+    from salvage.study import calibration_run
+
+    f = _write(
+        tmp_path / "s.yaml",
+        REGIME_STUDY + "regime:\n  overrides: {trainer.max_steps: 3}\n"
+        "  criteria:\n    - {metric: rollout/zero_signal_frac, steps: [1, 3], '>=': 0.6}\n"
+        "    - {metric: graft/admitted_frac, stat: last, '<': 1}\n",
+    )
+    study = load_study(f)
+    assert study.regime is not None
+    assert (study.regime.method, study.regime.seed) == ("b", 4)  # the baseline, the first seed
+    assert study.regime.criteria == [
+        Criterion("rollout/zero_signal_frac", ">=", 0.6, "mean", (1, 3)),
+        Criterion("graft/admitted_frac", "<", 1.0, "last", None),
+    ]
+    assert study.regime.criteria[0].describe() == (
+        "mean rollout/zero_signal_frac over updates 1-3 >= 0.6"
+    )
+    cal = calibration_run(study, tmp_path / "o")
+    record = next(r for r in plan(study, tmp_path / "o") if (r.method, r.seed) == ("b", 4))
+    assert cal is not None and cal.calibration
+    assert cal.dir == tmp_path / "o" / "_calibration" / "b" / "seed4"
+    # the record run's arguments, then the regime's overrides, then the calibration's dir
+    assert cal.args == [
+        *record.args[:-2],
+        "--trainer.max_steps",
+        "3",
+        "--trainer.default_root_dir",
+        str(cal.dir),
+    ]
+    assert run_env(study, cal)["WANDB_NAME"] == "calibration-b-seed4"
+    _write(f, REGIME_STUDY + "regime: {method: a, seed: 9, criteria: [{metric: m, '>': 0}]}\n")
+    assert (load_study(f).regime.method, load_study(f).regime.seed) == ("a", 9)
+
+
+def test_criteria_on_hand_made_metrics():
+    # update k is metrics.csv's step k - 1
+    series = {
+        "rollout/zero_signal_frac": {0.0: 1.0, 1.0: 0.5, 2.0: 0.0, 3.0: 0.25},
+        "train/lr": {0.0: 1e-4, 1.0: 2e-4},
+    }
+    crit = [
+        Criterion("rollout/zero_signal_frac", ">=", 0.5, "mean", (1, 3)),  # (1 + .5 + 0) / 3
+        Criterion("rollout/zero_signal_frac", ">", 0.5, "mean", (1, 3)),
+        Criterion("rollout/zero_signal_frac", "<=", 0.0, "min", (2, 3)),
+        Criterion("rollout/zero_signal_frac", "<", 0.5, "max", (2, 4)),  # max(.5, 0, .25)
+        Criterion("rollout/zero_signal_frac", ">=", 0.25, "last"),
+        Criterion("rollout/zero_signal_frac", ">=", 0.4375, "mean"),  # all four: 1.75 / 4
+        Criterion("rollout/zero_signal_frac", ">=", 0.0, "mean", (5, 9)),
+        Criterion("graft/admitted_frac", ">=", 0.3),
+    ]
+    got = evaluate(crit, series)
+    assert [(v.value, v.passed, v.rows) for v in got] == [
+        (0.5, True, 3),
+        (0.5, False, 3),
+        (0.0, True, 2),
+        (0.5, False, 3),
+        (0.25, True, 4),
+        (0.4375, True, 4),
+        (None, False, 0),
+        (None, False, 0),
+    ]
+    assert got[6].why == (
+        "rollout/zero_signal_frac has no row in updates 5-9 (logged at updates 1-4)"
+    )
+    assert got[7].why == (
+        "graft/admitted_frac is not in the calibration's metrics.csv "
+        "(it has: rollout/zero_signal_frac, train/lr)"
+    )
+    assert got[1].line() == (
+        "mean rollout/zero_signal_frac over updates 1-3 > 0.5: measured 0.5 over 3 update(s)"
+    )
+    many = {f"m{i:02d}": {0.0: 1.0} for i in range(25)}
+    why = evaluate([Criterion("x", ">", 0)], many)[0].why
+    assert "m00, m01" in why and "m19" in why and "m20" not in why and "(+5 more)" in why
+    table = regime_table(got[:2]).splitlines()
+    assert table[0].split() == ["metric", "stat", "updates", "value", "threshold", "result"]
+    assert table[1].split() == [
+        "rollout/zero_signal_frac",
+        "mean",
+        "1-3",
+        "0.5",
+        ">=",
+        "0.5",
+        "pass",
+    ]
+    assert table[2].split()[-1] == "FAIL"
+
+
+def test_a_stopped_run_is_not_done_and_resumes_on_the_next_call(tmp_path, monkeypatch, capsys):
+    # a stand-in fit: without --ckpt_path it writes a checkpoint and exits 75 (stopped by
+    # SIGTERM); resumed, it exits 0
+    from salvage import study as study_mod
+
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: []}}\n")
+    script = (
+        "import os, sys; d = sys.argv[1]\n"
+        "if '--ckpt_path' in sys.argv: raise SystemExit(0)\n"
+        "os.makedirs(d + '/version_0/checkpoints', exist_ok=True)\n"
+        "open(d + '/version_0/checkpoints/last.ckpt', 'w').write('x'); raise SystemExit(75)"
+    )
+    real = study_mod.Run.command
+    monkeypatch.setattr(
+        study_mod.Run,
+        "command",
+        lambda self: [sys.executable, "-c", script, str(self.dir), *real(self)[4:]],
+    )
+    out = tmp_path / "o"
+    run = out / "grpo" / "seed0"
+    assert run_study(f, out) == 75
+    got = capsys.readouterr()
+    assert "grpo seed 0: stopped by a signal (exit 75); resumes on the next call" in got.out
+    assert "1 run(s) stopped by a signal (grpo/seed0)" in got.err and "failed" not in got.err
+    assert not (run / "done.json").exists()
+    assert not (run / "child.pid").exists()
+    assert run_study(f, out) == 0
+    assert "1 runs, 0 done, 1 to run" in capsys.readouterr().out
+    done = json.loads((run / "done.json").read_text())
+    assert done["command"][-2:] == ["--ckpt_path", "last"]
+
+
+def test_locks_name_their_holder(tmp_path, capsys):
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: []}}\n")
+    out = tmp_path / "o"
+    out.mkdir()
+    held = lock(out / ".lock", "study dir")  # as a running study holds it
+    try:
+        with pytest.raises(SystemExit) as e:
+            study_main([str(f), "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(
+            f"salvage study: error: study dir {out} is in use by pid {os.getpid()} on "
+        )
+        assert len(err.splitlines()) == 1 and " since 20" in err
+        assert not (out / "grpo").exists()  # nothing ran
+    finally:
+        held.close()
+    run = tmp_path / "r"
+    run.mkdir()
+    held = lock(run / ".lock", "run dir")
+    try:
+        with pytest.raises(Busy, match=rf"run dir {run} is in use by pid {os.getpid()}"):
+            execute([sys.executable, "-c", "pass"], str(run), dict(os.environ))
+    finally:
+        held.close()
+    assert execute([sys.executable, "-c", "pass"], str(run), dict(os.environ)) == 0  # free again
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "studies").glob("*.yaml")), ids=lambda p: p.name)
@@ -424,3 +652,167 @@ def test_prepare_steps_run_once_before_the_runs_and_a_failure_stops_the_study(
     wrong = _write(tmp_path / "w.yaml", body + "prepare:\n  - {creates: x}\n")
     with pytest.raises(ValueError, match=r"prepare\[0\].*exactly 'creates' and 'run'"):
         load_study(wrong)
+
+
+# ---------------------------------------------------------------- processes, signals, regime
+
+
+MICRO = (
+    "overrides:\n"
+    "  trainer.max_steps: {steps}\n"
+    "  trainer.enable_progress_bar: false\n"
+    "  data.init_args.prompts_per_step: 2\n"
+    "  data.init_args.engine.max_new_tokens: 8\n"
+)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (a zombie nobody reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _running_child(proc: subprocess.Popen, run: Path) -> int:
+    """Wait until the study's fit in ``run`` has done an update; its pid."""
+    deadline = time.time() + 120
+    while not ((run / "child.pid").exists() and any(run.glob("version_*/checkpoints/last.ckpt"))):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.time() < deadline, "no update after 120 s"
+        time.sleep(0.05)
+    return int((run / "child.pid").read_text())
+
+
+def _stopped_after(run: Path, timeout: float = 10.0) -> int:
+    """The update count ``salvage fit`` printed when a signal stopped it."""
+    import re
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = re.search(r"fit stopped by SIGTERM after (\d+) update", (run / "fit.log").read_text())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.1)
+    raise AssertionError((run / "fit.log").read_text())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_kill_9_of_a_study_stops_its_fit_and_the_next_call_resumes_it(tmp_path):
+    f = _write(
+        tmp_path / "s.yaml",
+        f"base: {TINY}\nseeds: [0]\n" + MICRO.format(steps=100000) + "methods: {grpo: []}\n",
+    )
+    out = tmp_path / "study"
+    run = out / "grpo" / "seed0"
+    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = _running_child(proc, run)
+    assert os.getpgid(child) == child != proc.pid  # its own session
+    # a second study on the same dir: exit 2, naming the first
+    second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"is in use by pid {proc.pid} on " in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1
+
+    os.kill(proc.pid, signal.SIGKILL)  # the study only, not its fit
+    proc.wait()
+    deadline = time.time() + 10
+    while _alive(child):
+        assert time.time() < deadline, "the fit outlived its study by 10 s"
+        time.sleep(0.1)
+    n = _stopped_after(run)  # it got SIGTERM, ended its update and checkpointed
+    assert not (run / "done.json").exists()
+    with lock(run / ".lock", "run dir"):  # nobody holds the run any more
+        pass
+    # the next call resumes it (to one update more, so that it ends)
+    _write(f, f.read_text().replace("max_steps: 100000", f"max_steps: {n + 1}"))
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resuming grpo seed 0" in res.stdout
+    assert json.loads((run / "done.json").read_text())["command"][-2:] == ["--ckpt_path", "last"]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_signalled_study_stops_its_fits_and_exits_nonzero(tmp_path, sig, code):
+    f = _write(
+        tmp_path / "s.yaml",
+        f"base: {TINY}\nseeds: [0, 1]\n" + MICRO.format(steps=100000) + "methods: {grpo: []}\n",
+    )
+    out = tmp_path / "study"
+    run = out / "grpo" / "seed0"
+    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    child = _running_child(proc, run)
+    proc.send_signal(sig)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, text
+    assert not _alive(child)
+    assert "stopping the running fits" in text
+    assert "grpo seed 0: stopped by a signal (exit 75); resumes on the next call" in text
+    assert "1 run(s) stopped by a signal (grpo/seed0), 1 not started" in text
+    _stopped_after(run)
+    assert not (run / "done.json").exists() and not (out / "grpo" / "seed1").exists()
+
+
+def test_regime_check_gates_the_record_runs(tmp_path, capsys):
+    """One calibration and two record runs of the tiny config: a failing criterion starts no
+    record run (exit 3); a passing one starts them; --skip-regime starts them anyway."""
+    body = f"base: {TINY}\nbaseline: grpo\nseeds: [0]\n" + MICRO.format(steps=1)
+    body += "methods: {grpo: []}\nregime:\n  overrides: {trainer.max_steps: 2}\n  criteria:\n"
+    always = "    - {metric: rollout/zero_signal_frac, steps: [1, 2], '>=': 0}\n"
+    never = "    - {metric: rollout/zero_signal_frac, stat: max, '>=': 2}\n"
+    missing = "    - {metric: graft/admitted_frac, '>=': 0.3}\n"
+    f = _write(tmp_path / "s.yaml", body + always + never + missing)
+    out = tmp_path / "study"
+    cal, record = out / "_calibration" / "grpo" / "seed0", out / "grpo" / "seed0"
+
+    with pytest.raises(SystemExit) as e:
+        study_main([str(f), "--out", str(out)])
+    assert e.value.code == 3
+    got = capsys.readouterr()
+    assert not record.exists()
+    assert json.loads((cal / "done.json").read_text())["returncode"] == 0
+    regime = json.loads((out / "regime.json").read_text())
+    assert (regime["passed"], regime["skipped"]) == (False, False)
+    assert regime["command"][-2:] == ["--trainer.default_root_dir", str(cal)]
+    always_r, never_r, missing_r = regime["criteria"]
+    assert always_r["result"] == "pass" and always_r["rows"] == 2
+    assert never_r["result"] == "FAIL" and 0 <= never_r["value"] <= 1
+    assert missing_r["value"] is None and "rollout/zero_signal_frac" in missing_r["why"]
+    fails = [line for line in got.err.splitlines() if line.startswith("regime: FAIL: ")]
+    assert len(fails) == 2
+    assert fails[0].startswith("regime: FAIL: max rollout/zero_signal_frac >= 2: measured ")
+    assert "graft/admitted_frac is not in the calibration's metrics.csv (it has: " in fails[1]
+    assert "| rollout/zero_signal_frac" not in got.out  # a plain table
+    table = got.out[got.out.index("regime check on calibration grpo seed 0") :].splitlines()
+    assert table[1].split()[0] == "metric" and table[2].split()[-1] == "pass"
+    assert json.loads((out / "study.json").read_text())["regime"]["passed"] is False
+
+    _write(f, body + always)  # passes: the record run starts
+    assert run_study(f, out) == 0
+    got = capsys.readouterr()
+    assert "regime check: calibration" not in got.out  # reused
+    assert "1 runs, 0 done, 1 to run" in got.out and "starting grpo seed 0" in got.out
+    assert json.loads((record / "done.json").read_text())["returncode"] == 0
+    regime = json.loads((out / "regime.json").read_text())
+    assert (regime["passed"], regime["skipped"]) == (True, False)
+
+    # a second seed, the failing criterion back, --skip-regime: the new run starts anyway
+    _write(f, (body + never).replace("seeds: [0]", "seeds: [0, 1]"))
+    assert run_study(f, out, skip_regime=True) == 0
+    got = capsys.readouterr()
+    assert "--skip-regime: starting the record runs anyway" in got.out
+    assert "starting grpo seed 1" in got.out
+    assert json.loads((out / "grpo" / "seed1" / "done.json").read_text())["returncode"] == 0
+    regime = json.loads((out / "regime.json").read_text())
+    assert (regime["passed"], regime["skipped"]) == (False, True)
+    assert json.loads((out / "study.json").read_text())["regime"]["skipped"] is True
