@@ -32,9 +32,17 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from salvage.core.stats import Interval, band, ci95, mean, mean_auc, paired
-from salvage.report import load_metrics
+from salvage.report import (
+    admission_by_direction,
+    exchange_delta,
+    exchange_rows,
+    load_metrics,
+    plot_log_s,
+    ranked_jsonl,
+)
 
 CURVES = (
     ("training success", r"(?:^|/)rollout/success_rate$"),
@@ -59,6 +67,8 @@ class RunData:
     seed: int
     dir: Path
     series: dict[str, dict[float, float]] = field(default_factory=dict)
+    exchange: list[dict[str, Any]] = field(default_factory=list)
+    """GRAFT runs: the ``exchange.jsonl`` records over all versions (``read_exchange``)."""
 
     def curve(self, key: str) -> tuple[list[float], list[float]]:
         pts = sorted(self.series.get(key, {}).items())
@@ -69,15 +79,33 @@ class RunData:
         return ys[-1] if ys else math.nan
 
 
-def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
-    """Metric -> {step: value} from every ``version_*/metrics.csv``, later versions winning."""
-    versions = sorted(
+def _versions(run_dir: Path) -> list[Path]:
+    """The run's ``version_*`` folders with metrics, in version order."""
+    found = sorted(
         (int(m.group(1)), p)
         for p in run_dir.iterdir()
         if p.is_dir() and (m := _VERSION.match(p.name)) and (p / "metrics.csv").is_file()
     )
+    return [p for _, p in found]
+
+
+def read_exchange(run_dir: Path) -> list[dict[str, Any]]:
+    """The ``exchange.jsonl`` records (every rank's) of every version, a later version's
+    records of a step replacing an earlier one's (as ``read_run`` does with metrics)."""
+    by_step: dict[float, list[dict[str, Any]]] = {}
+    for v in _versions(run_dir):
+        path = v / "exchange.jsonl"
+        mine: dict[float, list[dict[str, Any]]] = {}
+        for rec in ranked_jsonl(path if path.is_file() else None, "exchange"):
+            mine.setdefault(float(rec.get("step", -1)), []).append(rec)
+        by_step.update(mine)
+    return [rec for step in sorted(by_step) for rec in by_step[step]]
+
+
+def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
+    """Metric -> {step: value} from every ``version_*/metrics.csv``, later versions winning."""
     out: dict[str, dict[float, float]] = {}
-    for _, v in versions:
+    for v in _versions(run_dir):
         for key, pts in load_metrics(v / "metrics.csv").items():
             out.setdefault(key, {}).update(dict(pts))
     return out
@@ -114,7 +142,7 @@ def collect(paths: list[Path]) -> list[RunData]:
         m = _SEED.search(r.name)
         seed = int(m.group(1)) if m else pos.get(method, 0)
         pos[method] = pos.get(method, 0) + 1
-        out.append(RunData(method, seed, r, read_run(r)))
+        out.append(RunData(method, seed, r, read_run(r), read_exchange(r)))
     return out
 
 
@@ -284,6 +312,11 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
                 plots.append(k)
     body, warnings = table(runs, keys, baseline)
     methods = _by_method(runs)
+    rows = {m: exchange_rows([e for r in rs for e in r.exchange]) for m, rs in methods.items()}
+    rows = {m: rs for m, rs in rows.items() if rs}
+    delta = exchange_delta([e for r in runs for e in r.exchange])
+    if plot_log_s(rows, delta, out / "compat_log_s.png"):
+        plots.append("compat_log_s")
     md = ["# Comparison", ""]
     md.append(
         "Runs: "
@@ -294,6 +327,8 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
     if not keys:
         md += ["No held-out metric (val/success, val/aggregate) logged; no score table.", ""]
     md.append(body)
+    if rows:
+        md += admission_section(rows, methods)
     md += ["Plots: " + ", ".join(f"`{_slug(k)}.png`" for k in plots)]
     if missing:
         md.append("Not logged by any run: " + ", ".join(missing))
@@ -304,6 +339,32 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return text
+
+
+def admission_section(
+    rows: dict[str, list[dict[str, Any]]], methods: dict[str, list[RunData]]
+) -> list[str]:
+    """Per method and direction: the admitted fraction of the correct (``success``) and of
+    the incorrect transferred responses, pooled over the method's seeds (``exchange.jsonl``
+    rows; admitted: weight > 0)."""
+    lines = [
+        "### GRAFT admission by correctness",
+        "",
+        "Transferred responses admitted (weight > 0), correct (success) vs incorrect, pooled "
+        "over seeds (`exchange.jsonl`):",
+        "",
+        "| method | direction | seeds | correct admitted | incorrect admitted |",
+        "|---|---|---|---|---|",
+    ]
+    for m, rs in rows.items():
+        seeds = sorted(r.seed for r in methods[m] if exchange_rows(r.exchange))
+        for d, a in admission_by_direction(rs).items():
+            lines.append(
+                f"| {m} | {d.replace('_to_', ' -> ')} | {len(seeds)} "
+                f"| {a.cell(a.correct_admitted, a.correct)} "
+                f"| {a.cell(a.incorrect_admitted, a.incorrect)} |"
+            )
+    return [*lines, ""]
 
 
 def _slug(key: str) -> str:
