@@ -20,7 +20,18 @@ Writes into ``--out`` (default ``STUDY_DIR/compare``, or ``./compare`` for run d
   the extra-token ratio (VH-GPO's rescue tokens over the run's own rollout tokens, i.e.
   over what GRPO alone generates at the same batch shape); then the paired comparison with the baseline (``baseline:`` of
   the study, or ``--baseline``): per-seed differences of the final score and the AUC,
-  their mean ± CI, over the seeds both have (a warning when the seed sets differ).
+  their mean ± CI, over the seeds both have (a warning when the seed sets differ), and
+  the power of that comparison on the final score: the paired SD (the sample SD of the
+  per-seed differences, n - 1), the minimum detectable difference at 80% power for the n
+  seeds run, ``MDD = (t_{0.975, n-1} + t_{0.8, n-1}) * SD / sqrt(n)`` (two-sided paired
+  t-test at alpha 0.05, the standard approximation without the noncentral t), and the
+  seeds needed for a difference of ``--effect`` (default 0.1): the smallest n >= 2 with
+  ``(t_{0.975, n-1} + t_{0.8, n-1}) * SD / sqrt(n) <= effect`` at that SD; "n/a" with one
+  paired seed or an SD of 0;
+- GRAFT runs (``exchange.jsonl`` with per-response rows): ``compat_log_s.png``, the
+  distribution of ``log s`` per direction (one panel each, one histogram per method, a
+  line at ``log delta``), and per method and direction the admitted fraction of the
+  correct and of the incorrect transferred responses, pooled over seeds.
 """
 
 from __future__ import annotations
@@ -34,7 +45,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from salvage.core.stats import Interval, band, ci95, mean, mean_auc, paired
+from salvage.core.stats import (
+    Interval,
+    band,
+    ci95,
+    mdd,
+    mean,
+    mean_auc,
+    paired,
+    paired_sd,
+    seeds_needed,
+)
 from salvage.report import (
     admission_by_direction,
     exchange_delta,
@@ -56,6 +77,10 @@ OPTIONAL_CURVES = (
     ("GRAFT transfers", r"^graft/transferred_(a_to_b|b_to_a)$"),
 )
 _VERSION = re.compile(r"^version_(\d+)$")
+POWER = 0.8
+"""Power of the detectable difference and of the seeds needed (two-sided alpha 0.05)."""
+MAX_SEEDS = 100_000
+"""``seeds for +EFFECT`` above this reads ``> MAX_SEEDS``."""
 _SEED = re.compile(r"seed(\d+)$")
 
 
@@ -209,8 +234,25 @@ def _fmt(iv: Interval, digits: int = 3) -> str:
     return iv.fmt(digits)
 
 
-def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[str, list[str]]:
-    """The markdown table(s) and the warnings."""
+def power_cells(diffs: tuple[float, ...] | list[float], effect: float) -> tuple[str, str, str]:
+    """``paired SD``, ``MDD (80%)`` and ``seeds for +EFFECT`` of per-seed differences
+    (``salvage.core.stats.mdd`` / ``seeds_needed``); "n/a (...)" where undefined."""
+    n = len(diffs)
+    if n < 2:
+        why = "n/a (1 seed)" if n == 1 else "n/a (no common seed)"
+        return why, why, why
+    sd = paired_sd(diffs)
+    if sd == 0:
+        return f"{sd:.3f}", "n/a (SD 0)", "n/a (SD 0)"
+    need = seeds_needed(sd, effect, POWER, n_max=MAX_SEEDS)
+    return f"{sd:.3f}", f"{mdd(sd, n, POWER):.3f}", str(need) if need else f"> {MAX_SEEDS}"
+
+
+def table(
+    runs: list[RunData], keys: list[str], baseline: str | None, effect: float = 0.1
+) -> tuple[str, list[str]]:
+    """The markdown table(s) and the warnings (``effect``: the difference the ``seeds for``
+    column sizes the study for)."""
     warnings: list[str] = []
     methods = _by_method(runs)
     lines: list[str] = []
@@ -263,8 +305,9 @@ def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[s
             lines += [
                 f"Paired with the baseline `{baseline}` (method - baseline, per seed; mean ± 95% CI):",
                 "",
-                "| method | seeds | Δ final | Δ AUC | per-seed Δ final |",
-                "|---|---|---|---|---|",
+                f"| method | seeds | Δ final | Δ AUC | per-seed Δ final | paired SD "
+                f"| MDD (80%) | seeds for +{effect:g} |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for m, d in per.items():
                 if m == baseline:
@@ -279,15 +322,34 @@ def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[s
                 per_seed = ", ".join(
                     f"s{s}: {v:+.3f}" for s, v in zip(pf.seeds, pf.diffs, strict=True)
                 )
+                sd, detectable, need = power_cells(pf.diffs, effect)
                 lines.append(
-                    f"| {m} | {len(pf.seeds)} | {_fmt(pf.interval)} | {_fmt(pa.interval)} | {per_seed} |"
+                    f"| {m} | {len(pf.seeds)} | {_fmt(pf.interval)} | {_fmt(pa.interval)} "
+                    f"| {per_seed} | {sd} | {detectable} | {need} |"
                 )
+            lines += [
+                "",
+                "Power, of Δ final (paired t-test, two-sided alpha 0.05, power 80%, the "
+                "approximation without the noncentral t): paired SD = sample SD (n - 1) of the "
+                "per-seed Δ final over the n paired seeds; MDD (80%) = (t_{0.975,n-1} + "
+                f"t_{{0.8,n-1}}) · SD / sqrt(n); seeds for +{effect:g} = the smallest n ≥ 2 with "
+                f"(t_{{0.975,n-1}} + t_{{0.8,n-1}}) · SD / sqrt(n) ≤ {effect:g} at this SD.",
+            ]
             lines.append("")
     return "\n".join(lines), warnings
 
 
-def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[str] | None) -> str:
-    """Write the PNGs and ``compare.md`` into ``out``; return the markdown."""
+def compare(
+    paths: list[Path],
+    out: Path,
+    baseline: str | None,
+    metrics: list[str] | None,
+    effect: float = 0.1,
+) -> str:
+    """Write the PNGs and ``compare.md`` into ``out``; return the markdown. ``effect``: the
+    difference of the final score the ``seeds for +EFFECT`` column sizes the study for."""
+    if not effect > 0:
+        raise ValueError(f"--effect must be > 0, got {effect}")
     runs = collect(paths)
     if len(paths) == 1 and (paths[0] / "study.json").is_file():
         info = json.loads((paths[0] / "study.json").read_text(encoding="utf-8"))
@@ -310,7 +372,7 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
         for k in matched:
             if plot(runs, k, title, out / f"{_slug(k)}.png"):
                 plots.append(k)
-    body, warnings = table(runs, keys, baseline)
+    body, warnings = table(runs, keys, baseline, effect)
     methods = _by_method(runs)
     rows = {m: exchange_rows([e for r in rs for e in r.exchange]) for m, rs in methods.items()}
     rows = {m: rs for m, rs in rows.items() if rs}
@@ -381,12 +443,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--metric", action="append", default=None, help="held-out metric key (repeatable)"
     )
+    p.add_argument(
+        "--effect",
+        type=float,
+        default=0.1,
+        help="the difference in the final held-out score to size the study for: compare.md's "
+        "'seeds for +EFFECT' column gives the seeds a paired t-test needs to detect it at "
+        "80%% power (two-sided alpha 0.05) at the observed paired SD (default 0.1)",
+    )
     a = p.parse_args(argv)
     out = a.out or (
         a.paths[0] / "compare" if len(a.paths) == 1 and not _is_run(a.paths[0]) else Path("compare")
     )
     try:
-        print(compare(a.paths, out, a.baseline, a.metric), end="")
+        print(compare(a.paths, out, a.baseline, a.metric, a.effect), end="")
     except ValueError as e:
         p.exit(2, f"salvage compare: error: {e}\n")
     print(f"wrote {out}")
