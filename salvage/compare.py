@@ -20,7 +20,18 @@ Writes into ``--out`` (default ``STUDY_DIR/compare``, or ``./compare`` for run d
   the extra-token ratio (VH-GPO's rescue tokens over the run's own rollout tokens, i.e.
   over what GRPO alone generates at the same batch shape); then the paired comparison with the baseline (``baseline:`` of
   the study, or ``--baseline``): per-seed differences of the final score and the AUC,
-  their mean ± CI, over the seeds both have (a warning when the seed sets differ).
+  their mean ± CI, over the seeds both have (a warning when the seed sets differ), and
+  the power of that comparison on the final score: the paired SD (the sample SD of the
+  per-seed differences, n - 1), the minimum detectable difference at 80% power for the n
+  seeds run, ``MDD = (t_{0.975, n-1} + t_{0.8, n-1}) * SD / sqrt(n)`` (two-sided paired
+  t-test at alpha 0.05, the standard approximation without the noncentral t), and the
+  seeds needed for a difference of ``--effect`` (default 0.1): the smallest n >= 2 with
+  ``(t_{0.975, n-1} + t_{0.8, n-1}) * SD / sqrt(n) <= effect`` at that SD; "n/a" with one
+  paired seed or an SD of 0;
+- GRAFT runs (``exchange.jsonl`` with per-response rows): ``compat_log_s.png``, the
+  distribution of ``log s`` per direction (one panel each, one histogram per method, a
+  line at ``log delta``), and per method and direction the admitted fraction of the
+  correct and of the incorrect transferred responses, pooled over seeds.
 """
 
 from __future__ import annotations
@@ -32,9 +43,27 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from salvage.core.stats import Interval, band, ci95, mean, mean_auc, paired
-from salvage.report import load_metrics
+from salvage.core.stats import (
+    Interval,
+    band,
+    ci95,
+    mdd,
+    mean,
+    mean_auc,
+    paired,
+    paired_sd,
+    seeds_needed,
+)
+from salvage.report import (
+    admission_by_direction,
+    exchange_delta,
+    exchange_rows,
+    load_metrics,
+    plot_log_s,
+    ranked_jsonl,
+)
 
 CURVES = (
     ("training success", r"(?:^|/)rollout/success_rate$"),
@@ -48,6 +77,10 @@ OPTIONAL_CURVES = (
     ("GRAFT transfers", r"^graft/transferred_(a_to_b|b_to_a)$"),
 )
 _VERSION = re.compile(r"^version_(\d+)$")
+POWER = 0.8
+"""Power of the detectable difference and of the seeds needed (two-sided alpha 0.05)."""
+MAX_SEEDS = 100_000
+"""``seeds for +EFFECT`` above this reads ``> MAX_SEEDS``."""
 _SEED = re.compile(r"seed(\d+)$")
 
 
@@ -59,6 +92,8 @@ class RunData:
     seed: int
     dir: Path
     series: dict[str, dict[float, float]] = field(default_factory=dict)
+    exchange: list[dict[str, Any]] = field(default_factory=list)
+    """GRAFT runs: the ``exchange.jsonl`` records over all versions (``read_exchange``)."""
 
     def curve(self, key: str) -> tuple[list[float], list[float]]:
         pts = sorted(self.series.get(key, {}).items())
@@ -69,15 +104,33 @@ class RunData:
         return ys[-1] if ys else math.nan
 
 
-def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
-    """Metric -> {step: value} from every ``version_*/metrics.csv``, later versions winning."""
-    versions = sorted(
+def _versions(run_dir: Path) -> list[Path]:
+    """The run's ``version_*`` folders with metrics, in version order."""
+    found = sorted(
         (int(m.group(1)), p)
         for p in run_dir.iterdir()
         if p.is_dir() and (m := _VERSION.match(p.name)) and (p / "metrics.csv").is_file()
     )
+    return [p for _, p in found]
+
+
+def read_exchange(run_dir: Path) -> list[dict[str, Any]]:
+    """The ``exchange.jsonl`` records (every rank's) of every version, a later version's
+    records of a step replacing an earlier one's (as ``read_run`` does with metrics)."""
+    by_step: dict[float, list[dict[str, Any]]] = {}
+    for v in _versions(run_dir):
+        path = v / "exchange.jsonl"
+        mine: dict[float, list[dict[str, Any]]] = {}
+        for rec in ranked_jsonl(path if path.is_file() else None, "exchange"):
+            mine.setdefault(float(rec.get("step", -1)), []).append(rec)
+        by_step.update(mine)
+    return [rec for step in sorted(by_step) for rec in by_step[step]]
+
+
+def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
+    """Metric -> {step: value} from every ``version_*/metrics.csv``, later versions winning."""
     out: dict[str, dict[float, float]] = {}
-    for _, v in versions:
+    for v in _versions(run_dir):
         for key, pts in load_metrics(v / "metrics.csv").items():
             out.setdefault(key, {}).update(dict(pts))
     return out
@@ -114,7 +167,7 @@ def collect(paths: list[Path]) -> list[RunData]:
         m = _SEED.search(r.name)
         seed = int(m.group(1)) if m else pos.get(method, 0)
         pos[method] = pos.get(method, 0) + 1
-        out.append(RunData(method, seed, r, read_run(r)))
+        out.append(RunData(method, seed, r, read_run(r), read_exchange(r)))
     return out
 
 
@@ -181,8 +234,25 @@ def _fmt(iv: Interval, digits: int = 3) -> str:
     return iv.fmt(digits)
 
 
-def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[str, list[str]]:
-    """The markdown table(s) and the warnings."""
+def power_cells(diffs: tuple[float, ...] | list[float], effect: float) -> tuple[str, str, str]:
+    """``paired SD``, ``MDD (80%)`` and ``seeds for +EFFECT`` of per-seed differences
+    (``salvage.core.stats.mdd`` / ``seeds_needed``); "n/a (...)" where undefined."""
+    n = len(diffs)
+    if n < 2:
+        why = "n/a (1 seed)" if n == 1 else "n/a (no common seed)"
+        return why, why, why
+    sd = paired_sd(diffs)
+    if sd == 0:
+        return f"{sd:.3f}", "n/a (SD 0)", "n/a (SD 0)"
+    need = seeds_needed(sd, effect, POWER, n_max=MAX_SEEDS)
+    return f"{sd:.3f}", f"{mdd(sd, n, POWER):.3f}", str(need) if need else f"> {MAX_SEEDS}"
+
+
+def table(
+    runs: list[RunData], keys: list[str], baseline: str | None, effect: float = 0.1
+) -> tuple[str, list[str]]:
+    """The markdown table(s) and the warnings (``effect``: the difference the ``seeds for``
+    column sizes the study for)."""
     warnings: list[str] = []
     methods = _by_method(runs)
     lines: list[str] = []
@@ -235,8 +305,9 @@ def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[s
             lines += [
                 f"Paired with the baseline `{baseline}` (method - baseline, per seed; mean ± 95% CI):",
                 "",
-                "| method | seeds | Δ final | Δ AUC | per-seed Δ final |",
-                "|---|---|---|---|---|",
+                f"| method | seeds | Δ final | Δ AUC | per-seed Δ final | paired SD "
+                f"| MDD (80%) | seeds for +{effect:g} |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for m, d in per.items():
                 if m == baseline:
@@ -251,15 +322,34 @@ def table(runs: list[RunData], keys: list[str], baseline: str | None) -> tuple[s
                 per_seed = ", ".join(
                     f"s{s}: {v:+.3f}" for s, v in zip(pf.seeds, pf.diffs, strict=True)
                 )
+                sd, detectable, need = power_cells(pf.diffs, effect)
                 lines.append(
-                    f"| {m} | {len(pf.seeds)} | {_fmt(pf.interval)} | {_fmt(pa.interval)} | {per_seed} |"
+                    f"| {m} | {len(pf.seeds)} | {_fmt(pf.interval)} | {_fmt(pa.interval)} "
+                    f"| {per_seed} | {sd} | {detectable} | {need} |"
                 )
+            lines += [
+                "",
+                "Power, of Δ final (paired t-test, two-sided alpha 0.05, power 80%, the "
+                "approximation without the noncentral t): paired SD = sample SD (n - 1) of the "
+                "per-seed Δ final over the n paired seeds; MDD (80%) = (t_{0.975,n-1} + "
+                f"t_{{0.8,n-1}}) · SD / sqrt(n); seeds for +{effect:g} = the smallest n ≥ 2 with "
+                f"(t_{{0.975,n-1}} + t_{{0.8,n-1}}) · SD / sqrt(n) ≤ {effect:g} at this SD.",
+            ]
             lines.append("")
     return "\n".join(lines), warnings
 
 
-def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[str] | None) -> str:
-    """Write the PNGs and ``compare.md`` into ``out``; return the markdown."""
+def compare(
+    paths: list[Path],
+    out: Path,
+    baseline: str | None,
+    metrics: list[str] | None,
+    effect: float = 0.1,
+) -> str:
+    """Write the PNGs and ``compare.md`` into ``out``; return the markdown. ``effect``: the
+    difference of the final score the ``seeds for +EFFECT`` column sizes the study for."""
+    if not effect > 0:
+        raise ValueError(f"--effect must be > 0, got {effect}")
     runs = collect(paths)
     if len(paths) == 1 and (paths[0] / "study.json").is_file():
         info = json.loads((paths[0] / "study.json").read_text(encoding="utf-8"))
@@ -282,8 +372,13 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
         for k in matched:
             if plot(runs, k, title, out / f"{_slug(k)}.png"):
                 plots.append(k)
-    body, warnings = table(runs, keys, baseline)
+    body, warnings = table(runs, keys, baseline, effect)
     methods = _by_method(runs)
+    rows = {m: exchange_rows([e for r in rs for e in r.exchange]) for m, rs in methods.items()}
+    rows = {m: rs for m, rs in rows.items() if rs}
+    delta = exchange_delta([e for r in runs for e in r.exchange])
+    if plot_log_s(rows, delta, out / "compat_log_s.png"):
+        plots.append("compat_log_s")
     md = ["# Comparison", ""]
     md.append(
         "Runs: "
@@ -294,6 +389,8 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
     if not keys:
         md += ["No held-out metric (val/success, val/aggregate) logged; no score table.", ""]
     md.append(body)
+    if rows:
+        md += admission_section(rows, methods)
     md += ["Plots: " + ", ".join(f"`{_slug(k)}.png`" for k in plots)]
     if missing:
         md.append("Not logged by any run: " + ", ".join(missing))
@@ -304,6 +401,32 @@ def compare(paths: list[Path], out: Path, baseline: str | None, metrics: list[st
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     return text
+
+
+def admission_section(
+    rows: dict[str, list[dict[str, Any]]], methods: dict[str, list[RunData]]
+) -> list[str]:
+    """Per method and direction: the admitted fraction of the correct (``success``) and of
+    the incorrect transferred responses, pooled over the method's seeds (``exchange.jsonl``
+    rows; admitted: weight > 0)."""
+    lines = [
+        "### GRAFT admission by correctness",
+        "",
+        "Transferred responses admitted (weight > 0), correct (success) vs incorrect, pooled "
+        "over seeds (`exchange.jsonl`):",
+        "",
+        "| method | direction | seeds | correct admitted | incorrect admitted |",
+        "|---|---|---|---|---|",
+    ]
+    for m, rs in rows.items():
+        seeds = sorted(r.seed for r in methods[m] if exchange_rows(r.exchange))
+        for d, a in admission_by_direction(rs).items():
+            lines.append(
+                f"| {m} | {d.replace('_to_', ' -> ')} | {len(seeds)} "
+                f"| {a.cell(a.correct_admitted, a.correct)} "
+                f"| {a.cell(a.incorrect_admitted, a.incorrect)} |"
+            )
+    return [*lines, ""]
 
 
 def _slug(key: str) -> str:
@@ -320,12 +443,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--metric", action="append", default=None, help="held-out metric key (repeatable)"
     )
+    p.add_argument(
+        "--effect",
+        type=float,
+        default=0.1,
+        help="the difference in the final held-out score to size the study for: compare.md's "
+        "'seeds for +EFFECT' column gives the seeds a paired t-test needs to detect it at "
+        "80%% power (two-sided alpha 0.05) at the observed paired SD (default 0.1)",
+    )
     a = p.parse_args(argv)
     out = a.out or (
         a.paths[0] / "compare" if len(a.paths) == 1 and not _is_run(a.paths[0]) else Path("compare")
     )
     try:
-        print(compare(a.paths, out, a.baseline, a.metric), end="")
+        print(compare(a.paths, out, a.baseline, a.metric, a.effect), end="")
     except ValueError as e:
         p.exit(2, f"salvage compare: error: {e}\n")
     print(f"wrote {out}")

@@ -7,8 +7,13 @@ updates after its checkpoint: what an interrupted version logged for those updat
 replaced by the resumed version's, never counted twice (``load_run``). Writes into
 ``RUN_DIR/report/``: ``rewards.png``, ``zero_signal.png``, ``extra_tokens.png``,
 ``relays.png`` (per-relay teacher actions kept vs omitted), ``graft.png`` (transfers per
-direction, compatibility weights), ``cost.png`` (GPU-hours vs score) and ``report.md``.
-A plot whose metrics the run did not log is skipped and named in the summary.
+direction, compatibility weights), ``compat.png`` (GRAFT: the distribution of ``log s`` of
+the transferred responses, one panel per direction, a vertical line at ``log delta``),
+``cost.png`` (GPU-hours vs score) and ``report.md``. With per-response exchange rows
+(``exchange.jsonl``'s ``responses``), ``report.md`` also gets, per direction, the fraction
+of correct (``success``) and of incorrect transferred responses that were admitted
+(``admitted``: weight > 0), also printed. A plot whose metrics the run did not log is
+skipped and named in the summary.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import csv
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +126,9 @@ def load_run(
     starts: list[float | None] = []
     for v in versions:
         recs = {
-            stem: _ranked(v / f"{stem}.jsonl" if (v / f"{stem}.jsonl").exists() else None, stem)
+            stem: ranked_jsonl(
+                v / f"{stem}.jsonl" if (v / f"{stem}.jsonl").exists() else None, stem
+            )
             for stem in ("relays", "exchange")
         }
         per.append((load_metrics(v / "metrics.csv"), recs))
@@ -140,7 +148,7 @@ def load_run(
     return series, records, [v / "metrics.csv" for v in versions]
 
 
-def _ranked(path: Path | None, stem: str) -> list[dict[str, Any]]:
+def ranked_jsonl(path: Path | None, stem: str) -> list[dict[str, Any]]:
     """Records of rank 0 (``<stem>.jsonl``) and of the other ranks (``<stem>.rank<r>.jsonl``)."""
     if path is None:
         return []
@@ -148,6 +156,123 @@ def _ranked(path: Path | None, stem: str) -> list[dict[str, Any]]:
     for extra in sorted(path.parent.glob(f"{stem}.rank*.jsonl")):
         out.extend(_jsonl(extra))
     return out
+
+
+# ------------------------------------------------------------------ GRAFT exchange rows
+
+
+def exchange_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-response rows (``responses``) of a run's exchange records, in order (records
+    written before rows were recorded have none)."""
+    return [row for rec in records for row in rec.get("responses") or []]
+
+
+def log_s(row: dict[str, Any]) -> float:
+    """``log s = lbar_recv - lbar_src`` of an exchange row (``log(s)`` without the parts)."""
+    if row.get("lbar_recv") is not None and row.get("lbar_src") is not None:
+        return float(row["lbar_recv"]) - float(row["lbar_src"])
+    s = row.get("s")
+    return math.log(s) if isinstance(s, (int, float)) and s > 0 else -math.inf
+
+
+def is_correct(row: dict[str, Any]) -> bool:
+    """A transferred response is correct when it succeeded (``reward > 0`` without ``success``)."""
+    ok = row.get("success")
+    return bool(ok) if ok is not None else float(row.get("reward") or 0.0) > 0
+
+
+@dataclass
+class Admission:
+    """Transferred responses of one direction, correct and incorrect, and how many of each
+    were admitted."""
+
+    correct: int = 0
+    correct_admitted: int = 0
+    incorrect: int = 0
+    incorrect_admitted: int = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        admitted = bool(row.get("admitted"))
+        if is_correct(row):
+            self.correct += 1
+            self.correct_admitted += admitted
+        else:
+            self.incorrect += 1
+            self.incorrect_admitted += admitted
+
+    @staticmethod
+    def cell(k: int, n: int) -> str:
+        """``k/n (fraction)``; ``0/0 (n/a)`` when there were none."""
+        return f"{k}/{n} ({k / n:.3f})" if n else "0/0 (n/a)"
+
+
+def admission_by_direction(rows: list[dict[str, Any]]) -> dict[str, Admission]:
+    """Per direction (``<src>_to_<dst>``, in first-seen order): correct / incorrect transferred
+    responses and the admitted ones among them."""
+    out: dict[str, Admission] = {}
+    for row in rows:
+        out.setdefault(str(row.get("direction")), Admission()).add(row)
+    return out
+
+
+def exchange_delta(records: list[dict[str, Any]]) -> float | None:
+    """The gate threshold ``delta`` the records name (the first one; None if none does)."""
+    return next((float(r["delta"]) for r in records if r.get("delta") is not None), None)
+
+
+def plot_log_s(
+    rows_by_label: dict[str, list[dict[str, Any]]], delta: float | None, path: Path
+) -> bool:
+    """Histograms of ``log s``, one panel per direction, one histogram per label (a run or a
+    method), a vertical line at ``log delta``. False when there are no rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directions = list(
+        dict.fromkeys(str(r.get("direction")) for rs in rows_by_label.values() for r in rs)
+    )
+    if not directions:
+        return False
+    fig, axes = plt.subplots(
+        1, len(directions), figsize=(4.2 * len(directions), 3.6), squeeze=False
+    )
+    finite = [v for rs in rows_by_label.values() for r in rs if math.isfinite(v := log_s(r))]
+    lo, hi = (min(finite), max(finite)) if finite else (-1.0, 1.0)
+    if delta is not None:
+        lo, hi = min(lo, math.log(delta)), max(hi, math.log(delta))
+    if hi - lo < 1e-6:
+        lo, hi = lo - 0.5, hi + 0.5
+    for ax, d in zip(axes[0], directions, strict=True):
+        for label, rs in rows_by_label.items():
+            vals = [v for r in rs if r.get("direction") == d and math.isfinite(v := log_s(r))]
+            if vals:
+                ax.hist(vals, bins=30, range=(lo, hi), alpha=0.5, label=f"{label} (n={len(vals)})")
+        if delta is not None:
+            ax.axvline(math.log(delta), color="k", ls="--", lw=1, label=f"log delta ({delta:g})")
+        ax.set_title(f"log s, {d.replace('_to_', ' -> ')}")
+        ax.set_xlabel("log s = lbar_recv - lbar_src")
+        ax.set_ylabel("responses")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def admission_lines(table: dict[str, Admission]) -> list[str]:
+    """The markdown table of ``admission_by_direction``."""
+    lines = [
+        "| direction | correct admitted | incorrect admitted |",
+        "|---|---|---|",
+    ]
+    for d, a in table.items():
+        lines.append(
+            f"| {d.replace('_to_', ' -> ')} | {Admission.cell(a.correct_admitted, a.correct)} "
+            f"| {Admission.cell(a.incorrect_admitted, a.incorrect)} |"
+        )
+    return lines
 
 
 def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, Any]:
@@ -256,6 +381,12 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
     else:
         skipped["graft.png"] = "not a GRAFT run"
 
+    rows = exchange_rows(exchange)
+    if plot_log_s({"run": rows}, exchange_delta(exchange), out / "compat.png"):
+        written.append("compat.png")
+    else:
+        skipped["compat.png"] = "no per-response rows in exchange.jsonl"
+
     score_key = next(
         (k for k in ("val/aggregate", "val/success", "rollout/success_rate") if k in m), None
     )
@@ -305,6 +436,14 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
         for name, row in zip(models, matrix, strict=True):
             cells = ["-" if c == name else f"{x:g}" for c, x in zip(models, row, strict=True)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if rows:
+        lines += [
+            "",
+            f"admission by correctness over {len(rows)} transferred responses "
+            "(admitted: weight > 0; correct: success):",
+            "",
+            *admission_lines(admission_by_direction(rows)),
+        ]
     if kept:
         fr = [r["j_star"] / r["L"] for r in kept]
         lines += [
@@ -316,7 +455,12 @@ def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, An
         lines += ["", "skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items())]
     (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     written.append("report.md")
-    return {"written": written, "skipped": skipped, "dir": str(out)}
+    return {
+        "written": written,
+        "skipped": skipped,
+        "dir": str(out),
+        "admission": admission_by_direction(rows),
+    }
 
 
 def exchange_counts(records: list[dict[str, Any]]) -> dict[str, float]:
@@ -347,5 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     res = make_report(a.run_dir, a.version)
     print(f"wrote {', '.join(res['written'])} to {res['dir']}")
+    if res["admission"]:
+        print("admitted transferred responses, correct vs incorrect:")
+        print("\n".join(admission_lines(res["admission"])))
     for k, why in res["skipped"].items():
         print(f"skipped {k}: {why}")

@@ -72,6 +72,21 @@ class Turn:
         return len(self.response_ids)
 
 
+@dataclass(frozen=True)
+class CompatParts:
+    """The parts of a peer response's compatibility score (GRAFT, SPEC §3.2):
+    ``s = exp(lbar_recv - lbar_src)``, each ``lbar`` the mean over that model's own tokens."""
+
+    lbar_src: float
+    """Mean token log-prob under the source's generation log-probs (its tokenisation)."""
+    lbar_recv: float
+    """Mean token log-prob under the receiver's pi_old (its re-tokenisation)."""
+    tokens_src: int
+    """Tokens ``lbar_src`` averages over."""
+    tokens_recv: int
+    """Tokens ``lbar_recv`` averages over."""
+
+
 @dataclass
 class Trajectory:
     """A complete rollout: one or more turns, one scalar reward."""
@@ -93,6 +108,8 @@ class Trajectory:
     ``sequence`` loss instead of ``loss``."""
     compat: float | None = None
     """A peer response's compatibility score ``s`` under the receiver (GRAFT, SPEC §3.2)."""
+    compat_parts: CompatParts | None = None
+    """What ``compat`` was computed from (the two mean log-probs and their token counts)."""
     score: float | None = None
     """The environment's grade of the episode (WebShop's score), where it grades."""
     episode: Any = None

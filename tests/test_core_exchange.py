@@ -94,3 +94,45 @@ def test_weight_metrics_by_hand():
     }
     # no transfers: no admitted fraction at all (not 0, "none admitted")
     assert weight_metrics([]) == {"graft/weight_mean": 0.0}
+
+
+def test_transfer_rows_by_hand():
+    from salvage.core.exchange import transfer_rows
+
+    own, peers, turns = _case()
+    g = receive_group(own, peers, turns, ExchangeRules())
+    rows = transfer_rows([own, g], [1], "a", "b", step=3)
+    # source means -1, -1 (2 and 1 tokens); receiver means -1 (2 tokens), -2 (1 token)
+    assert [(r["direction"], r["prompt"], r["response"], r["step"]) for r in rows] == [
+        ("a_to_b", 1, 0, 3),
+        ("a_to_b", 1, 1, 3),
+    ]
+    assert [(r["lbar_src"], r["lbar_recv"]) for r in rows] == [(-1.0, -1.0), (-1.0, -2.0)]
+    assert [(r["tokens_src"], r["tokens_recv"]) for r in rows] == [(2, 2), (1, 1)]
+    assert [r["s"] for r in rows] == pytest.approx([1.0, math.exp(-1)])
+    assert [(r["reward"], r["weight"], r["admitted"]) for r in rows] == [
+        (1.0, 1.0, True),
+        (0.0, 0.0, False),
+    ]
+    assert transfer_rows([own, g], [0], "a", "b", step=3) == []  # no peer response there
+
+
+def test_admission_by_direction_by_hand():
+    from salvage.report import Admission, admission_by_direction, admission_lines, log_s
+
+    rows = [
+        {"direction": "a_to_b", "success": True, "admitted": True},
+        {"direction": "a_to_b", "success": True, "admitted": False},
+        {"direction": "a_to_b", "success": False, "admitted": True},
+        {"direction": "b_to_a", "reward": 1.0, "admitted": False},  # no success: reward > 0
+        {"direction": "b_to_a", "reward": 0.0, "admitted": False},
+    ]
+    t = admission_by_direction(rows)
+    assert t["a_to_b"] == Admission(2, 1, 1, 1) and t["b_to_a"] == Admission(1, 0, 1, 0)
+    assert admission_lines(t)[2:] == [
+        "| a -> b | 1/2 (0.500) | 1/1 (1.000) |",
+        "| b -> a | 0/1 (0.000) | 0/1 (0.000) |",
+    ]
+    assert Admission.cell(0, 0) == "0/0 (n/a)"
+    assert log_s({"lbar_src": -2.0, "lbar_recv": -2.5, "s": 9.0}) == -0.5  # the parts first
+    assert log_s({"s": math.e}) == pytest.approx(1.0)

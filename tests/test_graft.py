@@ -636,3 +636,117 @@ def test_rollout_metrics_describe_the_receivers_own_samples(tmp_path):
     assert float(m["a/rollout/success_rate"]) == pytest.approx(1 / 16)
     assert float(m["b/rollout/success_rate"]) == pytest.approx(2 / 16)
     assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
+
+
+@pytest.fixture(scope="module")
+def gated_run(tmp_path_factory):
+    """A two-update GRAFT fit with the gate on (delta 0.8), its CSV run dir: the exchange rows
+    and the report read it."""
+    root = tmp_path_factory.mktemp("gated")
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8)
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=CSVLogger(root, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    return root, Path(trainer.log_dir)
+
+
+def test_exchange_rows_carry_the_compatibility_score_and_its_parts(gated_run):
+    _, log_dir = gated_run
+    recs = [json.loads(x) for x in (log_dir / "exchange.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1]
+    for rec in recs:
+        rows = rec["responses"]
+        # scripted: prompt 0 goes A -> B, prompt 1 B -> A, 4 responses each
+        assert [(r["direction"], r["prompt"]) for r in rows] == [("a_to_b", 0)] * 4 + [
+            ("b_to_a", 1)
+        ] * 4
+        assert all(r["source"] + "_to_" + r["receiver"] == r["direction"] for r in rows)
+        assert [r["response"] for r in rows] == [0, 1, 2, 3] * 2
+        assert rec["delta"] == 0.8 and rec["gate"] is True
+        # the scripted successes travel with the responses: A solved 1 of 4, B 2 of 4
+        assert [r["reward"] for r in rows] == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+        assert sorted(r["weight"] for r in rows) == sorted(rec["weights"])
+        for r in rows:
+            assert r["step"] == rec["step"]
+            assert r["tokens_src"] > 0 and r["tokens_recv"] > 0
+            # s = exp(lbar_recv - lbar_src), recomputed from the recorded numbers
+            assert math.log(r["s"]) == pytest.approx(r["lbar_recv"] - r["lbar_src"], abs=1e-12)
+            assert r["lbar_src"] < 0 and r["lbar_recv"] < 0
+            # the gate: admitted iff s > delta, then w = min(s, 1); else w = 0
+            assert r["admitted"] == (r["s"] > 0.8) == (r["weight"] > 0)
+            assert r["weight"] == (min(r["s"], 1.0) if r["s"] > 0.8 else 0.0)
+
+
+def _hand_count(rows):
+    """Per direction: [correct, correct admitted, incorrect, incorrect admitted], by hand."""
+    out = {}
+    for r in rows:
+        c = out.setdefault(r["direction"].replace("_to_", " -> "), [0, 0, 0, 0])
+        i = 0 if r["reward"] > 0 else 2
+        c[i] += 1
+        c[i + 1] += int(r["weight"] > 0)
+    return out
+
+
+def _cell(k, n):
+    return f"{k}/{n} ({k / n:.3f})" if n else "0/0 (n/a)"
+
+
+def _inked(png):
+    import matplotlib.image as mpimg
+
+    rgb = mpimg.imread(png)[..., :3]
+    return float((rgb < 0.95).any(axis=-1).mean())
+
+
+def test_report_plots_log_s_per_direction_and_tables_admission(gated_run):
+    from salvage.report import make_report
+
+    root, log_dir = gated_run
+    recs = [json.loads(x) for x in (log_dir / "exchange.jsonl").read_text().splitlines()]
+    rows = [r for rec in recs for r in rec["responses"]]
+    res = make_report(root)
+    png = root / "report" / "compat.png"
+    assert "compat.png" in res["written"] and png.stat().st_size > 10_000 and _inked(png) > 0.02
+    md = (root / "report" / "report.md").read_text()
+    assert f"admission by correctness over {len(rows)} transferred responses" in md
+    counts = _hand_count(rows)
+    assert set(counts) == {"a -> b", "b -> a"}
+    for d, (c, ca, i, ia) in counts.items():
+        assert f"| {d} | {_cell(ca, c)} | {_cell(ia, i)} |" in md, (d, md)
+    # 2 updates x (A: 1 of 4 correct, B: 2 of 4 correct)
+    assert [counts["a -> b"][0], counts["a -> b"][2]] == [2, 6]
+    assert [counts["b -> a"][0], counts["b -> a"][2]] == [4, 4]
+
+
+def test_compare_pools_admission_over_seeds_of_graft_runs(tmp_path, gated_run):
+    import shutil
+
+    from salvage.compare import compare
+
+    _, log_dir = gated_run
+    study = tmp_path / "study"
+    for seed in (0, 1):  # the same real run as two seeds of one method
+        shutil.copytree(log_dir, study / "graft" / f"seed{seed}" / "version_0")
+    md = compare([study], study / "compare", None, None)
+    png = study / "compare" / "compat_log_s.png"
+    assert png.stat().st_size > 10_000 and _inked(png) > 0.02
+    rows = [
+        r
+        for x in (log_dir / "exchange.jsonl").read_text().splitlines()
+        for r in json.loads(x)["responses"]
+    ]
+    for d, (c, ca, i, ia) in _hand_count(rows).items():  # pooled: twice each count
+        assert f"| graft | {d} | 2 | {_cell(2 * ca, 2 * c)} | {_cell(2 * ia, 2 * i)} |" in md

@@ -229,6 +229,9 @@ def test_two_peers_equal_graft_module_exactly(tmp_path, extra):
         assert rp["transfers"]["b_to_a"] == rg["b_to_a"]
         assert rp["complementary"] == {"a_to_b": rg["m_ab"], "b_to_a": rg["m_ba"]}
         assert sorted(rp["weights"]) == sorted(rg["weights"])
+        # the per-response rows: the same responses, scores and admissions
+        key = lambda r: (r["direction"], r["prompt"], r["response"])  # noqa: E731
+        assert sorted(rp["responses"], key=key) == sorted(rg["responses"], key=key)
     mg, mp = tg.callback_metrics, tp.callback_metrics
     assert float(mp["graft/transferred/a_to_b"]) == float(mg["graft/transferred_a_to_b"]) == 1
     assert float(mp["graft/weight_mean"]) == pytest.approx(float(mg["graft/weight_mean"]))
@@ -273,6 +276,11 @@ def test_three_peers_exchange_per_ordered_pair(tmp_path, rule, monkeypatch):
         assert tr[want] == [0] and sum(len(v) for v in tr.values()) == 3
         assert len(module.seen) == 2  # only a's q0 had two candidates
     assert cap.peer == {"a": [0], "b": [1], "c": [2]}
+    rows = rec["responses"]  # one row per response of each transferred group (4 per group)
+    assert sorted((r["direction"], r["prompt"]) for r in rows) == sorted(
+        (d, q) for d, qs in tr.items() for q in qs for _ in range(4)
+    )
+    assert all(r["admitted"] == (r["weight"] > 0) for r in rows)
     assert rec["complementary"]["a_to_c"] == 0 and rec["complementary"]["b_to_c"] == 1
     assert float(m["graft/transferred"]) == 3
     assert float(m["graft/transferred/a_to_b"]) == 1 and float(m["graft/transferred/c_to_b"]) == 0

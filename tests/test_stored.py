@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -96,6 +98,18 @@ def test_stored_responses_are_re_verified_and_transferred(tmp_path):
     assert float(m["graft/transferred_stored"]) == 2  # the random tiny receiver solved none of them
     assert float(m["graft/weight_mean"]) == 1.0 and peer.transferred == 2
     assert float(m["loss/peer_clip_frac"]) >= 0  # peer tokens entered the update
+    # exchange.jsonl as GRAFT writes it: one row per transferred response, its score's parts
+    (rec,) = [json.loads(x) for x in (Path(trainer.log_dir) / "exchange.jsonl").open()]
+    assert rec["step"] == 0 and rec["transfers"] == {"stored_to_self": [0, 1]}
+    rows = rec["responses"]
+    assert [(r["direction"], r["prompt"]) for r in rows] == [("stored_to_self", 0)] * 4 + [
+        ("stored_to_self", 1)
+    ] * 4
+    assert [r["reward"] for r in rows] == [1.0, 0.0] * 4  # re-verified, not the log's 0s
+    for r in rows:  # the stored log-probs: -0.5, -0.5 -> lbar_src = -0.5 over 2 tokens
+        assert (r["lbar_src"], r["tokens_src"]) == (-0.5, 2) and r["tokens_recv"] > 0
+        assert math.log(r["s"]) == pytest.approx(r["lbar_recv"] + 0.5, abs=1e-12)
+        assert r["admitted"] and r["weight"] == 1.0  # no gate: every response weighs 1
 
 
 def test_a_log_that_does_not_match_fails_clearly(tmp_path):

@@ -491,6 +491,13 @@ def test_compare_table_and_plots_on_hand_numbers(tmp_path):
     # paired AUC differences 0.083333, 0.15, 0.075 -> mean 0.103
     paired_row = next(line for line in md.splitlines() if line.startswith("| vh | 3 | 0.233"))
     assert "| 0.103 ± " in paired_row
+    # power of Δ final: paired SD 0.057735; MDD = (t_{0.975,2} + t_{0.8,2}) * SD / sqrt(3)
+    # = (4.3027 + 1.0607) * 0.057735 / 1.7321 = 0.179; seeds for +0.1:
+    # n = 4: (3.1824 + 0.9785) * 0.057735 / 2 = 0.1201 > 0.1,
+    # n = 5: (2.7764 + 0.9410) * 0.057735 / 2.2361 = 0.0960 <= 0.1 -> 5
+    assert "| paired SD | MDD (80%) | seeds for +0.1 |" in md
+    assert paired_row.endswith("| s0: +0.200, s1: +0.200, s2: +0.300 | 0.058 | 0.179 | 5 |")
+    assert "MDD (80%) = (t_{0.975,n-1} + t_{0.8,n-1}) · SD / sqrt(n)" in md
     assert heldout_keys([]) == []
     assert "| grpo | 3 |" in md
     assert md.index("| grpo | 3 |") < md.index("| vh | 3 |")  # the study's method order
@@ -512,6 +519,32 @@ def test_compare_warns_when_seed_sets_differ(tmp_path):
     )
     assert "methods have different seed sets" in md
     assert "seeds only in vh: [2], only in grpo: [1] (paired on [0])" in md
+
+
+def test_compare_power_columns_one_seed_sd_zero_and_the_effect_flag(tmp_path, capsys):
+    from salvage.compare import main
+
+    s = tmp_path / "study"
+    for seed, (g, v, d) in enumerate(((0.1, 0.4, 0.2), (0.3, 0.5, 0.4), (0.2, 0.6, 0.3))):
+        _run(s, "grpo", seed, [0.0, 0.0, g], 1.0)
+        _run(s, "vh", seed, [0.0, 0.0, v], 1.0)  # differences 0.3, 0.2, 0.4: mean 0.3, sd 0.1
+        _run(s, "drgrpo", seed, [0.0, 0.0, d], 1.0)  # grpo + 0.1 on every seed: sd 0
+    _run(s, "one", 0, [0.0, 0.0, 0.5], 1.0)  # a single seed
+    main([str(s), "--baseline", "grpo", "--effect", "0.05", "--out", str(tmp_path / "c")])
+    md = capsys.readouterr().out
+    assert "| paired SD | MDD (80%) | seeds for +0.05 |" in md
+    # vh: sd 0.1, MDD (4.3027 + 1.0607) * 0.1 / sqrt(3) = 0.310; seeds for +0.05 at sd 0.1:
+    # the smallest n with (t_{0.975,n-1} + t_{0.8,n-1}) / sqrt(n) <= 0.5: 34 (as at sd 0.2
+    # for +0.1, test_stats)
+    vh = next(x for x in md.splitlines() if x.startswith("| vh | 3 | 0.300"))
+    assert vh.endswith("| 0.100 | 0.310 | 34 |")
+    dr = next(x for x in md.splitlines() if x.startswith("| drgrpo | 3 |") and "s0:" in x)
+    assert dr.endswith("| 0.000 | n/a (SD 0) | n/a (SD 0) |")
+    one = next(x for x in md.splitlines() if x.startswith("| one | 1 |") and "s0:" in x)
+    assert one.endswith("| n/a (1 seed) | n/a (1 seed) | n/a (1 seed) |")
+    with pytest.raises(SystemExit):
+        main([str(s), "--effect", "0", "--out", str(tmp_path / "c")])
+    assert "--effect must be > 0" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- end to end, killed and resumed

@@ -11,6 +11,9 @@ does not match fails with a clear error), re-verifies every stored response with
 receiver's own verifier, and applies GRAFT's one-direction selection (no balancing),
 compatibility weighting and peer-token update (``salvage.modules.graft.transplant``).
 The partner model is never loaded. The receiver's ``GRPOModule`` trains on the result.
+Every step's transfers go into the run's ``exchange.jsonl`` as GRAFT's do (``transfers``
+``{"stored_to_self": prompts}``, ``weights``, and a ``responses`` row per transferred
+response: ``core.exchange.transfer_rows``), so ``salvage report`` reads them alike.
 
 A stored log is data from elsewhere, so it is checked before use: a file that is not JSON
 or not a step record, a prompt whose answer differs from the receiver's task, and a
@@ -29,13 +32,13 @@ from typing import Any
 
 import lightning as L
 
-from salvage.core.exchange import ExchangeRules, weight_metrics
+from salvage.core.exchange import ExchangeRules, transfer_rows, weight_metrics
 from salvage.core.graft import plan_minibatches, select_unidirectional
 from salvage.core.grpo import assign_advantages
 from salvage.core.seeds import STORED_ADMISSION, step_seed
 from salvage.datamodules.base import attached_datamodule
 from salvage.datamodules.rlvr import RLVRDataModule
-from salvage.distributed import gathered
+from salvage.distributed import gathered, run_file
 from salvage.errors import DataError, MissingFileError
 from salvage.io import atomic_write_text
 from salvage.modules.graft import transplant
@@ -245,6 +248,16 @@ class StoredPeer(L.Callback):
                 random.Random(step_seed(self.seed, step, STORED_ADMISSION)),
             )
         self.transferred += len(prompts)
+        record = {
+            "step": step,
+            "transfers": {"stored_to_self": prompts},
+            "weights": weights,
+            "delta": self.rules.delta,
+            "gate": self.rules.gate,
+            "responses": transfer_rows(batch.groups, prompts, "stored", "self", step),
+        }
+        with run_file(trainer, "exchange").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
         batch.minibatch_groups = plan_minibatches(
             [g.peer for g in batch.groups],
             "peer-last",

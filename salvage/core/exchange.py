@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from salvage.core.graft import (
     mean_logprob,
     pooled_advantages,
 )
-from salvage.types import Group, SeqRatio, Trajectory, Turn
+from salvage.types import CompatParts, Group, SeqRatio, Trajectory, Turn
 
 POOLED_EPS = 1e-6
 """The epsilon of the pooled advantages' std normalisation (``peer_advantage="pooled"``)."""
@@ -100,9 +101,10 @@ def receive_group(
     trajs = []
     for t, item in zip(peers, turns, strict=True):
         episode = [item] if isinstance(item, Turn) else list(item)
-        src_mean = mean_logprob(episode_logprobs(t.turns))
-        recv_mean = mean_logprob(episode_logprobs(episode))
+        src_lps, recv_lps = episode_logprobs(t.turns), episode_logprobs(episode)
+        src_mean, recv_mean = mean_logprob(src_lps), mean_logprob(recv_lps)
         s = compatibility(recv_mean, src_mean)
+        parts = CompatParts(src_mean, recv_mean, len(src_lps), len(recv_lps))
         if hacpo:
             w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
         elif rules.admission == "random":
@@ -125,6 +127,7 @@ def receive_group(
                 loss="hacpo" if hacpo else rules.peer_loss,
                 seq_ratio=seq_ratio,
                 compat=s,
+                compat_parts=parts,
             )
         )
     own_t = list(own.trajectories)
@@ -165,3 +168,39 @@ def weight_metrics(weights: Sequence[float]) -> dict[str, float]:
         "graft/weight_mean": sum(weights) / len(weights),
         "graft/admitted_frac": sum(w > 0 for w in weights) / len(weights),
     }
+
+
+def transfer_rows(
+    groups: Sequence[Group], prompts: Sequence[int], source: str, receiver: str, step: int
+) -> list[dict[str, Any]]:
+    """One ``exchange.jsonl`` row per peer response the receiver took in on ``prompts``
+    (``groups``: its batch after the exchange), in order: the direction, the compatibility
+    score ``s = exp(lbar_recv - lbar_src)`` and its parts, the reward, the weight and
+    ``admitted``, whether the response enters the loss at all (``weight > 0``: the gate's
+    ``s > delta`` under the compatibility weight; every response without the gate or under
+    HACPO; the drawn ones under random admission)."""
+    rows = []
+    for q in prompts:
+        for j, t in enumerate(u for u in groups[q].trajectories if u.source == "peer"):
+            p = t.compat_parts
+            rows.append(
+                {
+                    "step": step,
+                    "source": source,
+                    "receiver": receiver,
+                    "direction": f"{source}_to_{receiver}",
+                    "prompt": q,
+                    "task_id": groups[q].task_id,
+                    "response": j,
+                    "s": t.compat,
+                    "lbar_src": p.lbar_src if p else None,
+                    "lbar_recv": p.lbar_recv if p else None,
+                    "tokens_src": p.tokens_src if p else None,
+                    "tokens_recv": p.tokens_recv if p else None,
+                    "reward": t.reward,
+                    "success": t.success,
+                    "weight": t.weight,
+                    "admitted": t.weight > 0,
+                }
+            )
+    return rows

@@ -1,5 +1,6 @@
 """Statistics for comparing methods over seeds: means, t-based 95% intervals, paired
-differences and areas under curves. Pure functions on plain floats (no numpy, no scipy).
+differences, the power of a paired comparison and areas under curves. Pure functions on
+plain floats (no numpy, no scipy).
 
 The two-sided 95% interval of a mean over n seeds is ``mean ± t_{0.975, n-1} · s / sqrt(n)``
 with ``s`` the sample standard deviation (n - 1 in the denominator). ``t_{0.975, df}`` comes
@@ -7,6 +8,17 @@ from a table for df 1..30 (the standard values, 4 decimals); beyond 30 from the
 Cornish-Fisher expansion of the t quantile around the normal quantile z = 1.959964
 (three correction terms; it gives 2.0423 at df 30, equal to the table, and its error is
 below 1e-4 for every df > 30). With one seed the interval is undefined (NaN half-width).
+
+Other t quantiles (``t_quantile``, e.g. the 0.8 one of the power calculation) invert the
+t CDF, ``F(t) = 1 - I_x(df/2, 1/2) / 2`` for ``t >= 0`` with ``x = df / (df + t^2)`` and
+``I`` the regularized incomplete beta function (its continued fraction), by bisection.
+
+Power of the paired comparison (``mdd``, ``seeds_needed``): the minimum detectable
+difference of a two-sided paired t-test at level alpha with power ``1 - beta`` over n seeds
+is approximated without the noncentral t by
+``MDD = (t_{1-alpha/2, n-1} + t_{1-beta, n-1}) * sd / sqrt(n)``, ``sd`` the sample SD of
+the per-seed differences; the seeds needed for a difference ``effect`` are the smallest
+``n >= 2`` with ``MDD(n) <= effect`` at that ``sd``.
 """
 
 from __future__ import annotations
@@ -65,6 +77,129 @@ def t975(df: int) -> float:
         + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
         + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
     )
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` (a, b > 0, 0 <= x <= 1).
+
+    The continued fraction of ``I_x(a, b)`` (modified Lentz evaluation), used directly for
+    ``x < (a + 1) / (a + b + 2)`` and through ``I_x(a, b) = 1 - I_{1-x}(b, a)`` above.
+    """
+    if a <= 0 or b <= 0:
+        raise ValueError(f"betainc needs a, b > 0, got a={a}, b={b}")
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"betainc needs 0 <= x <= 1, got x={x}")
+    if x in (0.0, 1.0):
+        return x
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - betainc(b, a, 1.0 - x)
+    log_front = a * math.log(x) + b * math.log1p(-x) - _log_beta(a, b)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 1000):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),  # even term d_{2m}
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),  # odd d_{2m+1}
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * f / a
+
+
+def _log_beta(a: float, b: float) -> float:
+    return math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+
+
+def t_cdf(t: float, df: float) -> float:
+    """Student's t CDF with ``df`` degrees of freedom (df > 0)."""
+    if df <= 0:
+        raise ValueError(f"degrees of freedom must be > 0, got {df}")
+    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))  # P(T > |t|)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (0 < p < 1, df >= 1):
+    ``t_cdf`` inverted by bisection to 1e-12 (``t975`` keeps the table's 0.975 values)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"a quantile needs 0 < p < 1, got {p}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = (lo + hi) / 2
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _t_upper(q: float, df: int) -> float:
+    """``t_{q, df}``: the table's for 0.975 (as the intervals use), ``t_quantile`` otherwise."""
+    return t975(df) if q == 0.975 else t_quantile(q, df)
+
+
+def paired_sd(diffs: Sequence[float]) -> float:
+    """The sample SD (n - 1) of per-seed differences, 0 when their spread is only float
+    rounding (below 1e-9 of their size: e.g. 0.2 - 0.1 and 0.3 - 0.2, equal differences
+    read from logged scores); NaN for fewer than 2."""
+    sd = sample_std(diffs)
+    if math.isfinite(sd) and sd <= 1e-9 * max(1.0, *(abs(d) for d in diffs)):
+        return 0.0
+    return sd
+
+
+def mdd(sd: float, n: int, power: float = 0.8, alpha: float = 0.05) -> float:
+    """Minimum detectable difference of a two-sided paired t-test over ``n`` seeds:
+    ``(t_{1-alpha/2, n-1} + t_{power, n-1}) * sd / sqrt(n)`` (the standard approximation,
+    no noncentral t). NaN when it is undefined: fewer than 2 seeds, or ``sd`` 0 or NaN
+    (identical differences on every seed say nothing about the seed-to-seed spread)."""
+    if n < 2 or not math.isfinite(sd) or sd <= 0:
+        return math.nan
+    return (_t_upper(1 - alpha / 2, n - 1) + _t_upper(power, n - 1)) * sd / math.sqrt(n)
+
+
+def seeds_needed(
+    sd: float, effect: float, power: float = 0.8, alpha: float = 0.05, n_max: int = 100_000
+) -> int | None:
+    """The smallest ``n >= 2`` with ``mdd(sd, n, power, alpha) <= effect``. None when it is
+    undefined (``sd`` 0 or NaN) or above ``n_max``.
+
+    ``mdd`` falls strictly with n (both t quantiles fall with the degrees of freedom, and
+    so does ``1 / sqrt(n)``), so n is found by doubling and then halving the step: the same
+    n as trying n = 2, 3, ... in turn, in O(log n) evaluations.
+    """
+    if not effect > 0:
+        raise ValueError(f"the effect must be > 0, got {effect}")
+    if not math.isfinite(sd) or sd <= 0:
+        return None
+
+    def ok(n: int) -> bool:
+        return mdd(sd, n, power, alpha) <= effect
+
+    if ok(2):
+        return 2
+    lo, hi = 2, 4  # invariant: not ok(lo)
+    while not ok(hi):
+        if hi >= n_max:
+            return None
+        lo, hi = hi, min(2 * hi, n_max)
+    while hi - lo > 1:  # not ok(lo), ok(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
 
 
 def mean(xs: Sequence[float]) -> float:

@@ -16,7 +16,9 @@ after balancing, B's group on that prompt is replaced by A's full group:
 Each policy's update is ``GRPOModule.update`` (the exact GRPO path), with the groups'
 minibatch assignment fixed by the exchange order. Metrics: ``a/...``, ``b/...`` (each
 policy's rollout and loss metrics) and ``graft/...``; ``exchange.jsonl`` in the run
-directory records every step's transfers and weights.
+directory records every step's transfers and weights and, under ``responses``, one row per
+transferred response (``core.exchange.transfer_rows``: direction, ``s``, ``lbar_src``,
+``lbar_recv``, both token counts, reward, weight, ``admitted``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 
 from salvage.core.evaluation import repeat_metrics
-from salvage.core.exchange import ExchangeRules, peer_responses, receive_group, weight_metrics
+from salvage.core.exchange import (
+    ExchangeRules,
+    peer_responses,
+    receive_group,
+    transfer_rows,
+    weight_metrics,
+)
 from salvage.core.graft import (
     BALANCE,
     ORDERS,
@@ -395,6 +403,9 @@ class GRAFTModule(L.LightningModule):
                 w_b = self.receive(own_a, rb, tr.a_to_b, self.b, rng, bar, live_ab)
             with gathered(self.a.policy):
                 w_a = self.receive(own_b, ra, tr.b_to_a, self.a, rng, bar, live_ba)
+        step = self.global_step
+        rows = transfer_rows(rb.groups, tr.a_to_b, "a", "b", step)
+        rows += transfer_rows(ra.groups, tr.b_to_a, "b", "a", step)
         self._order(ra, rng)
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
@@ -425,6 +436,9 @@ class GRAFTModule(L.LightningModule):
                 "m_ab": tr.m_ab,
                 "m_ba": tr.m_ba,
                 "weights": weights,
+                "delta": hp.delta,
+                "gate": hp.gate,
+                "responses": rows,
             }
         )
 

@@ -13,7 +13,8 @@ With two models the transfers, weights, random draws and updates equal ``GRAFTMo
 (tested). Metrics: ``<name>/...`` per model; per ordered pair
 ``graft/transferred/<src>_to_<dst>`` and ``graft/complementary/<src>_to_<dst>``
 (proposals before balancing); ``graft/transferred`` (all pairs), ``graft/weight_mean`` and
-``graft/admitted_frac``. ``exchange.jsonl`` records every step's transfers per pair.
+``graft/admitted_frac``. ``exchange.jsonl`` records every step's transfers per pair and,
+under ``responses``, one row per transferred response (as GRAFTModule's).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import random
 from typing import Any, cast
 
-from salvage.core.exchange import episode_logprobs, weight_metrics
+from salvage.core.exchange import episode_logprobs, transfer_rows, weight_metrics
 from salvage.core.graft import compatibility, mean_logprob
 from salvage.core.peers import (
     SOURCE_RULES,
@@ -189,6 +190,14 @@ class PeerGroupModule(GRAFTModule):
                         bar,
                         scored={q: v for (a, b, q), v in scored.items() if (a, b) == (s, r)},
                     )
+        step = self.global_step
+        rows = [
+            row
+            for s, r in pairs
+            for row in transfer_rows(
+                batches[r].groups, sends[(s, r)], self.names[s], self.names[r], step
+            )
+        ]
         for b in batches:
             self._order(b, rng)
         per_model = self._update_all(batches)
@@ -216,6 +225,9 @@ class PeerGroupModule(GRAFTModule):
                     f"{self.names[s]}_to_{self.names[r]}": len(proposed[(s, r)]) for s, r in pairs
                 },
                 "weights": weights,
+                "delta": hp.delta,
+                "gate": hp.gate,
+                "responses": rows,
             }
         )
 
