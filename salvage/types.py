@@ -175,6 +175,9 @@ class RolloutBatch:
     minibatch_groups: list[list[int]] | None = None
     """Group indices of each minibatch, fixed by an exchange (GRAFT's peer-last order);
     None: the update splits the trajectories itself."""
+    sampled: RolloutBatch | None = None
+    """Evaluation only: the same tasks' sampled episodes (``k`` per task at a stated
+    temperature) beside the greedy ones in ``groups`` (agent ``val_samples``)."""
 
     @property
     def trajectories(self) -> list[Trajectory]:

@@ -167,11 +167,38 @@ def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
     # has no closing tag, so those turns are among the invalid ones
     trunc = float(steps[0]["rollout/truncated_frac"])
     assert 0 < trunc <= float(steps[0]["rollout/invalid_turn_frac"])
+    # the test also samples 2 episodes per task at T 1 beside the greedy one
     proc = subprocess.run(
-        [*base, "test", *cfg], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
+        [*base, "test", *cfg, "--data.init_args.val_samples", "2"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/success/coin" in proc.stdout and "eval/success " in proc.stdout.replace("│", " ")
+    for key in ("eval/sampled_success", "eval/sampled_pass_at_k", "eval/sampled_success/coin"):
+        assert key in proc.stdout
+
+
+def test_sampled_evaluation_metrics_by_hand():
+    from salvage.modules.grpo import _sampled_metrics
+    from salvage.types import Group, RolloutBatch, Trajectory
+
+    def group(fam, wins):
+        trajs = [Trajectory(turns=[], reward=float(w), success=w) for w in wins]
+        return Group(task_id=f"{fam}/{len(wins)}", trajectories=trajs, task={"family": fam})
+
+    # 3 tasks x k = 2: coin (1 of 2), coin (0 of 2), twc (2 of 2)
+    batch = RolloutBatch(
+        groups=[group("coin", [True, False]), group("coin", [False, False]), group("twc", [1, 1])]
+    )
+    m = _sampled_metrics(batch, "val")
+    assert m["val/sampled_success"] == (3 / 6, 6)  # samples that won
+    assert m["val/sampled_pass_at_k"] == (2 / 3, 3)  # tasks with a win among their 2
+    assert m["val/sampled_success/coin"] == (1 / 4, 4)
+    assert m["val/sampled_success/twc"] == (1.0, 2)
 
 
 def test_oracle_sft_refuses_a_max_new_tokens_too_short_for_the_oracle_actions(tmp_path):

@@ -88,6 +88,10 @@ class AgentDataModule(RolloutDataModule):
         group_size: episodes per task (G).
         engine: sampling settings of the student.
         val_temperature: sampling temperature of evaluation episodes (0 = greedy).
+        val_samples: besides those, ``k`` sampled episodes per evaluation task at
+            ``val_sample_temperature``, logged as ``val/sampled_success`` (pass@1 over the
+            k samples), ``val/sampled_pass_at_k`` and per family (0 = none).
+        val_sample_temperature: sampling temperature of the ``val_samples`` episodes.
         val_batch_size: evaluation episodes per batch.
         advantage: ``grpo`` (std-normalised), ``drgrpo`` (no std) or ``rloo``.
         adv_eps: epsilon of the std normalisation.
@@ -113,6 +117,8 @@ class AgentDataModule(RolloutDataModule):
         group_size: int = 8,
         engine: EngineConfig | None = None,
         val_temperature: float = 0.0,
+        val_samples: int = 0,
+        val_sample_temperature: float = 1.0,
         val_batch_size: int = 16,
         advantage: str = "grpo",
         adv_eps: float = 1e-6,
@@ -137,6 +143,15 @@ class AgentDataModule(RolloutDataModule):
         )
         if max_turns < 1:
             raise ValueError(f"data.max_turns (H) must be >= 1, got {max_turns}")
+        if val_samples < 0:
+            raise ValueError(f"data.val_samples must be >= 0, got {val_samples}")
+        if val_samples and not val_sample_temperature > 0:
+            raise ValueError(
+                f"data.val_sample_temperature must be > 0 with val_samples, got "
+                f"{val_sample_temperature}"
+            )
+        self.val_samples = val_samples
+        self.val_sample_temperature = val_sample_temperature
         self.env_spec = env or EnvSpec()
         self.fmt = agent or AgentFormat()
         self.max_turns = max_turns
@@ -278,17 +293,25 @@ class AgentDataModule(RolloutDataModule):
 
     def eval_rollout(self, tasks: list[dict[str, Any]], split: str) -> RolloutBatch:
         policy = self.student()
-        policy.engine = self._eval_engine()
+        policy.engine = self._eval_engine(self.val_temperature)
         seed = step_seed(self.seed, self.trainer.global_step, EVAL)
-        return self.rollout(tasks, 1, seed, policy, advantages=False)
+        batch = self.rollout(tasks, 1, seed, policy, advantages=False)
+        if self.val_samples:
+            sampler = self.student()
+            sampler.engine = self._eval_engine(self.val_sample_temperature)
+            # its own seeds: episode j of a task draws with seed + 1 + j (greedy used seed)
+            batch.sampled = self.rollout(
+                tasks, self.val_samples, seed + 1, sampler, advantages=False
+            )
+        return batch
 
-    def _eval_engine(self) -> RolloutEngine:
+    def _eval_engine(self, temperature: float) -> RolloutEngine:
         from dataclasses import replace
 
         from salvage.rollout.config import build_engine
 
         return build_engine(
-            replace(self.engine_cfg, temperature=self.val_temperature),
+            replace(self.engine_cfg, temperature=temperature),
             self.policy(),
             self.module.tokenizer,
         )

@@ -872,6 +872,10 @@ class GRPOModule(L.LightningModule):
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         self._eval_step(batch, "eval")
 
+    def _log_sampled(self, batch: RolloutBatch, prefix: str) -> None:
+        for k, (v, n) in _sampled_metrics(batch, prefix).items():
+            self.log(k, v, on_step=False, on_epoch=True, batch_size=n, sync_dist=True)
+
     def _eval_step(self, batch: RolloutBatch, prefix: str) -> None:
         """Success (pass@1 over samples) overall and per task family / benchmark."""
         trajs = batch.trajectories
@@ -887,6 +891,8 @@ class GRPOModule(L.LightningModule):
             batch_size=n,
             sync_dist=True,
         )
+        if batch.sampled is not None:
+            self._log_sampled(batch.sampled, prefix)
         acc = getattr(self, "_eval_records", None)
         if acc is None:
             acc = self._eval_records = []
@@ -902,6 +908,30 @@ class GRPOModule(L.LightningModule):
                         float(len(g.trajectories)),
                     )
                 )
+
+
+def _sampled_metrics(batch: RolloutBatch, prefix: str) -> dict[str, tuple[float, int]]:
+    """Sampled evaluation episodes: ``<prefix>/sampled_success`` (the share of successful
+    samples), ``<prefix>/sampled_pass_at_k`` (the share of tasks with a success among their
+    k samples), and ``sampled_success/<family>``; each as (value, count it averages over)."""
+    out: dict[str, tuple[float, int]] = {}
+    trajs = batch.trajectories
+    if not trajs:
+        return out
+    out[f"{prefix}/sampled_success"] = (sum(t.success for t in trajs) / len(trajs), len(trajs))
+    groups = [g for g in batch.groups if g.trajectories]
+    out[f"{prefix}/sampled_pass_at_k"] = (
+        sum(any(t.success for t in g.trajectories) for g in groups) / len(groups),
+        len(groups),
+    )
+    fams: dict[str, list[bool]] = {}
+    for g in groups:
+        fam = g.task.get("family")
+        if fam:
+            fams.setdefault(str(fam), []).extend(bool(t.success) for t in g.trajectories)
+    for fam, hits in fams.items():
+        out[f"{prefix}/sampled_success/{fam}"] = (sum(hits) / len(hits), len(hits))
+    return out
 
 
 def _adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
