@@ -265,11 +265,7 @@ def test_sources_nothing_tells_apart_are_refused_unless_named(tmp_path):
     named = [
         MathData(source="reasoning_gym:basic_arithmetic", size=4, name="easy"),
         MathData(
-            source="reasoning_gym:basic_arithmetic",
-            size=4,
-            name="hard",
-            rg_kwargs={"min_terms": 4},
-            dedupe=False,  # its first prompt repeats one of "easy" (labels are the point here)
+            source="reasoning_gym:basic_arithmetic", size=4, name="hard", rg_kwargs={"min_terms": 4}
         ),
     ]
     dm = RLVRDataModule(val=named)

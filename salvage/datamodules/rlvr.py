@@ -131,7 +131,9 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         digests: set[str] = set()
         for src, label in zip(sources, source_labels(sources, key), strict=True):
             part, rep = load_math_tasks(src, label)
-            if src.dedupe:  # a prompt repeated across the split's sources counts once
+            # pooled training sources: a prompt repeated across them counts once (evaluation
+            # sources are benchmarks of their own and keep every problem)
+            if split == "train" and src.dedupe:
                 fresh = [t for t in part if task_digest(t) not in digests]
                 rep["duplicates"] += len(part) - len(fresh)
                 part = fresh
