@@ -1,4 +1,4 @@
-"""Resume under FSDP2 (issue 20 item 3): a warm-started reference survives ``--ckpt_path last``.
+"""Resume under FSDP2: a warm-started reference survives ``--ckpt_path last``.
 
 OracleSFT resets the frozen reference to the warm-started policy, so the reference is no
 longer the model the config names and must travel with the checkpoint. Under FSDP2 every
