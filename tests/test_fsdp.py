@@ -134,7 +134,7 @@ def test_fsdp2_step_equals_single_process_step(kind, tmp_path):
     reduction order (the tolerance, ``STEP_TOL``, is that order's measured spread).
 
     Measured on the VH-GPO step (lr 1e-3: parameters move by ~1e-3), largest parameter
-    difference: FSDP2 vs one process 9.2e-6 on a 2-core AMD EPYC VM, 2.69e-5 on an earlier
+    difference: FSDP2 vs one process 9.2e-6 on a 2-core Intel Xeon VM, 2.69e-5 on an earlier
     run; one process against itself with another micro-batch split (1 or 4 rows instead of
     2: the same sums in another order) 1.9e-6 to 6.7e-6; one process in float32 vs float64
     2.5e-5. With the policy, log-probs, masks, weights and FSDP's gradient reduction in
