@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/decode_ceiling.py [--models smollm2-135m-instruct] [--batch 8] [--rounds 5]
 
-Issue 16 asks for decode at >= 40% of the bandwidth floor (``--batch`` x probed read
+The decode target is >= 40% of the bandwidth floor (``--batch`` x probed read
 bandwidth / fp32 bytes of the weights one step reads). This splits a step the way the
 engine's own loop runs it and prints, for each part, the efficiency the step could reach if
 that part were all there were. Measured in one process, the parts alternating over

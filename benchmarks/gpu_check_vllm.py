@@ -1,4 +1,4 @@
-"""vLLM engine checks (issue 19), one PASS/FAIL line each; run by ``gpu_check.sh``.
+"""vLLM engine checks, one PASS/FAIL line each; run by ``gpu_check.sh``.
 
     python benchmarks/gpu_check_vllm.py               # on a GPU with salvage[gpu] installed
     python benchmarks/gpu_check_vllm.py --smoke-cpu   # the CPU part: rules and HF-engine fits

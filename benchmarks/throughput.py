@@ -28,13 +28,13 @@ alternating, ``--repeats`` times each; prints the update times, their ratio, the
 fraction of the positions run and the tokens run relative to the unpacked update.
 
 ``--before-after``: the whole GRPO step (rollout with its behaviour log-probs, then the
-update) with the settings from before issue 16 against today's defaults, on the same
+update) with the settings from before the rollout and update speed-ups against today's defaults, on the same
 prompts with the same seed and the same starting weights (a fresh optimiser each time),
 alternating before / after ``--repeats`` times each in one process (after one warm-up
 training step that also picks the prompts). "before": ``engine.hf_decode_loop: generate``,
 ``engine.hf_recompute_logprobs: true``, ``model.pack_prompts: false``,
 ``model.length_aware_micro_batches: false``, ``model.logprob_chunk_size: 0`` (unchunked, as
-before issue 20); "after": the defaults. Prints per-phase medians (sampling, behaviour
+before the multi-GPU (FSDP2) work); "after": the defaults. Prints per-phase medians (sampling, behaviour
 log-prob pass, update, step), the step-time ratio after / before, whether both variants
 sampled the same token ids on every repeat (the update's work is the same only then), and
 the efficiency columns: ``update_eff`` over the same needed FLOPs for both variants (each

@@ -4,7 +4,7 @@
 
 ``--source-rate``: the source's batch shape and rescue cap (16 tasks x 8 rollouts per
 update, at most 2 rescued groups), so the extra-token ratio is measured at its rescue rate.
-``--before``: both runs with issue 16's performance switches off (``generate`` decode,
+``--before``: both runs with the switches of the rollout and update speed-ups off (``generate`` decode,
 recomputed behaviour log-probs, no prompt packing, no length order, full logits), to compare
 the ratio with and without them.
 
@@ -58,7 +58,9 @@ def main() -> None:
         action="store_true",
         help="16 tasks x 8 rollouts, <= 2 rescued groups per update",
     )
-    ap.add_argument("--before", action="store_true", help="issue 16's switches off")
+    ap.add_argument(
+        "--before", action="store_true", help="the rollout and update speed-ups' switches off"
+    )
     ap.add_argument(
         "--teacher-policy",
         default=None,
@@ -118,7 +120,7 @@ def main() -> None:
     who = f"LM teacher {a.teacher_policy}" if a.teacher_policy else "oracle teacher"
     print(
         f"\nVH-GPO overhead, configs/vhgpo/twx_tiny.yaml ({where}, {who}"
-        f"{', issue 16 switches off' if a.before else ''}"
+        f"{', speed-up switches off' if a.before else ''}"
         f"{', compiled decode steps' if a.compile_decode else ''}), {a.steps} updates"
         f"{f', times from update {a.warmup_updates + 1} on' if a.warmup_updates else ''}"
     )

@@ -108,6 +108,10 @@ class WandbLogger(_LightningWandbLogger):
         self._dead_run: Any = None
         self._own_data_dir = False
         self._logged: dict[str, int] = {}
+        self.run_url: str | None = None
+        """The W&B run's page (None: offline, or W&B not started); kept after the run closes."""
+        self.sync_dir: str | None = None
+        """An offline run's directory, for ``wandb sync`` (None: online or not started)."""
 
     # -- wiring by the CLI -------------------------------------------------------------
     def bind(
@@ -168,7 +172,18 @@ class WandbLogger(_LightningWandbLogger):
             run.config.update({"salvage": yaml.safe_load(self._config_yaml)}, allow_val_change=True)
         self._id = run.id
         self._write_run_file()
+        self._record_where(run)
         return run
+
+    def _record_where(self, run: Any) -> None:
+        """Where to watch this run (its URL) or how to upload it (offline: its sync dir)."""
+        try:
+            if getattr(run, "offline", False):
+                self.sync_dir = getattr(run, "sync_dir", None) or os.path.dirname(run.dir)
+            else:
+                self.run_url = getattr(run, "url", None)
+        except Exception:  # noqa: BLE001, S110 - only the hand-over line at the end needs it
+            pass
 
     @property
     @rank_zero_experiment

@@ -1,4 +1,4 @@
-"""Per-update batch semantics across processes (issue 21 item 4), the pure pieces by hand.
+"""Per-update batch semantics across processes, the pure pieces by hand.
 
 ``prompts_per_step`` / ``tasks_per_step`` are the global batch of one update, split over
 ranks; VH-GPO's ``max_groups`` counts rescued groups over all ranks; evaluation metrics

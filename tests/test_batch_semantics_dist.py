@@ -1,4 +1,4 @@
-"""Per-update batch semantics on 2 CPU processes (FSDP2, gloo) against 1 process (issue 21 item 4).
+"""Per-update batch semantics on 2 CPU processes (FSDP2, gloo) against 1 process.
 
 Each test runs ``tests/dist_worker.py`` once on one process and once on two and checks that
 the update / evaluation is the same: the same prompts split 3 + 2, the same 2 rescued groups

@@ -1,4 +1,4 @@
-"""Prompt format (issue 21, item 3): the model's own chat template, or a documented plain one.
+"""Prompt format: the model's own chat template, or a documented plain one.
 
 The GRAFT paper formats each problem as one user message through the model's template;
 ``configs/graft/math_pair1.yaml`` no longer replaces the templates with raw concatenation,

@@ -73,7 +73,7 @@ def test_config_parses_and_instantiates(path, monkeypatch):
         assert cli.config["model"]["class_path"].startswith("salvage.")
 
 
-# ---------------------------------------------------------------- issue 21: fidelity of the configs
+# ---------------------------------------------------------------- fidelity of the configs
 
 
 def _resolve(*configs: str) -> dict:

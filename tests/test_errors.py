@@ -1,4 +1,4 @@
-"""User errors: one line naming the file or key (issue 13.6), through the ``salvage`` CLI.
+"""User errors: one line naming the file or key, through the ``salvage`` CLI.
 
 Each case runs ``salvage.cli.main`` in-process with the real config and the `tiny` model;
 the error must come before any training, as ``salvage: error: ...`` (exit status 2), with

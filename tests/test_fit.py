@@ -75,6 +75,7 @@ def _fit(tmp_path, num_minibatches=2, **model_kw):
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        log_every_n_steps=1,  # as salvage's CLI: one step = one RL update, each one logged
         callbacks=[CostTracker()],
         default_root_dir=tmp_path,
     )

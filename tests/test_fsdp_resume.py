@@ -1,4 +1,4 @@
-"""Resume under FSDP2 (issue 20 item 3): a warm-started reference survives ``--ckpt_path last``.
+"""Resume under FSDP2: a warm-started reference survives ``--ckpt_path last``.
 
 OracleSFT resets the frozen reference to the warm-started policy, so the reference is no
 longer the model the config names and must travel with the checkpoint. Under FSDP2 every
@@ -34,13 +34,14 @@ model:
     fsdp: {{param_dtype: float32}}
 data:
   init_args:
+    allow_overlap: true  # 4 train / 2 val coin games of one layout overlap; no validation runs
     env:
       train_tasks: {{num_tasks: 4}}
       val_tasks: {{num_tasks: 2}}
     tasks_per_step: 2
     group_size: 2
     max_turns: 3
-    engine: {{max_new_tokens: 8}}
+    engine: {{max_new_tokens: 19}}  # OracleSFT's guard: `tiny` needs 19 for "take coin"
 """
 
 

@@ -1,4 +1,4 @@
-"""Every shipped GPU config, shrunk to ``tiny`` on CPU, learns at its own lr (issue 21, item 1).
+"""Every shipped GPU config, shrunk to ``tiny`` on CPU, learns at its own lr.
 
 A GPU config is found by rule, not by list: a YAML whose documented composition (the
 ``--config`` files of its first line) resolves to ``trainer.accelerator`` other than ``cpu``.
@@ -231,7 +231,7 @@ CPU_TOO = {"configs/trainer/fsdp.yaml"}
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_gpu_config_rolls_out_with_vllm(path, monkeypatch):
-    """Issue 21 item 2: GPU configs sample with vLLM (the papers' engine); HF stays CPU's."""
+    """GPU configs sample with vLLM (the papers' engine); HF stays CPU's."""
     monkeypatch.chdir(ROOT)
     cfg = _parse([a for c in _composition(path) for a in ("--config", str(ROOT / c))])
     assert cfg["data"]["init_args"]["engine"]["backend"] == "vllm"

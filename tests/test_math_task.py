@@ -174,7 +174,7 @@ def test_eval_harness_on_a_slice_of_each_benchmark_prints_the_table(tmp_path):
     assert "eval/aggregate" in out
 
 
-# ---------------------------------------------------------------- task identity (issue 13.1)
+# ---------------------------------------------------------------- task identity
 
 
 def _jsonl(path, rows):

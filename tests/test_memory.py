@@ -1,4 +1,4 @@
-"""Per-GPU memory estimate (issue 20 item 4): hand-worked terms, and every shipped GPU config
+"""Per-GPU memory estimate: hand-worked terms, and every shipped GPU config
 estimated under 80 GB at the device count its header states."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prompt packing and length-aware micro-batches (issue 16 items 1 and 4).
+"""Prompt packing and length-aware micro-batches (two of the rollout and update speed-ups).
 
 Core: the packed layout, mask and order by hand. Shell: one update of the real ``tiny``
 model, packed and/or length-ordered vs the unpacked, shuffled update, for GRPO on math

@@ -1,5 +1,5 @@
 """Runs that never cross, explicit checkpoint files, checked resumes, checkpoints that cannot
-run code, crash-safe checkpoint writes (issue: reliability, second pass)."""
+run code, crash-safe checkpoint writes."""
 
 from __future__ import annotations
 

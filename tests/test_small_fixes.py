@@ -1,4 +1,4 @@
-"""Small things a user hits (issue 13.8) and WebShop's data loading errors (13.6)."""
+"""Small things a user hits, and WebShop's data loading errors."""
 
 from __future__ import annotations
 

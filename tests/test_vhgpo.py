@@ -320,7 +320,7 @@ def test_cli_twx_tiny_retains_relays(tmp_path):
         assert (run / "report" / name).stat().st_size > 1000, name
 
 
-# ---------------------------------------------------------------- issue 21: fallback, budget, teacher
+# ---------------------------------------------------------------- fidelity: fallback, budget, teacher
 
 
 def test_random_handoff_fallback_is_counted_and_switchable(tmp_path):

@@ -23,7 +23,7 @@ from salvage.rollout.vllm_rules import (
 )
 
 
-# -- item 6: versions ------------------------------------------------------------------
+# -- versions ------------------------------------------------------------------
 @pytest.mark.parametrize("v", ["0.27.0", "0.30.2", "0.33.0", "0.33.1.dev4+g1a2b3c"])
 def test_supported_vllm_versions_pass(v):
     check_vllm_version(v)
@@ -36,7 +36,7 @@ def test_other_vllm_versions_fail_with_the_range(v):
     assert v in str(e.value)
 
 
-# -- item 1: in-process engine ---------------------------------------------------------
+# -- in-process engine ---------------------------------------------------------
 def test_in_process_is_set_when_unset_and_kept_when_zero():
     env: dict[str, str] = {}
     require_in_process(env)
@@ -54,7 +54,7 @@ def test_a_user_setting_for_multiprocessing_is_refused_clearly(value):
     assert env[MP_VAR] == value  # not silently overwritten
 
 
-# -- item 4: launcher from the live process group --------------------------------------
+# -- launcher from the live process group --------------------------------------
 def test_external_launcher_only_with_more_than_one_rank():
     assert executor_backend(False, 1) is None
     # the first in-process engine leaves a 1-process group behind: still vLLM's own executor
@@ -71,7 +71,7 @@ def test_launcher_variables_come_from_the_live_group():
     assert launcher_env(env, rank=3, local_rank=1) == {}
 
 
-# -- item 5: sampling ----------------------------------------------------------------------
+# -- sampling ----------------------------------------------------------------------
 def test_request_seeds_are_spaced_by_n_so_no_sample_shares_a_seed():
     # vLLM seeds sample j of request i with seeds[i] + j (parallel_sampling.py)
     seeds = request_seeds(5, num_prompts=3, n=4)
@@ -105,7 +105,7 @@ def test_engine_config_refuses_what_vllm_refuses_or_changes():
     EngineConfig(backend="hf", temperature=2.5, top_p=0.9, vllm_recompute_logprobs=False)
 
 
-# -- item 3: sync bookkeeping ----------------------------------------------------------------
+# -- sync bookkeeping ----------------------------------------------------------------
 def test_a_trainable_engine_syncs_at_its_first_prepare_even_at_version_0():
     s = SyncState(frozen=False)
     assert s.needs_sync(0)  # vLLM loaded the checkpoint on disk, not the live model
@@ -131,7 +131,7 @@ def test_a_frozen_engine_never_syncs():
     assert not s.needs_sync(0) and not s.needs_sync(5)
 
 
-# -- item 2: one sleep-mode engine per process, shared backends ----------------------------
+# -- one sleep-mode engine per process, shared backends ----------------------------
 def test_registry_gives_sleep_mode_to_the_first_trainable_engine_only():
     reg = EngineRegistry()
     assert reg.sleep_level(1, frozen=True) == 0  # a teacher built first does not take it
@@ -162,7 +162,7 @@ def test_registry_shares_a_backend_per_live_model_and_settings():
     assert reg._shared == []  # a dead model's entry is dropped
 
 
-# -- item 5: RNG -------------------------------------------------------------------------------
+# -- RNG -------------------------------------------------------------------------------
 def test_preserved_rng_puts_every_global_stream_back():
     random.seed(1)
     np.random.seed(2)

@@ -1,4 +1,4 @@
-"""W&B dashboards (issue 17): tiny VH-GPO and GRAFT runs with the W&B logger, offline, read
+"""W&B dashboards: tiny VH-GPO and GRAFT runs with the W&B logger, offline, read
 back from the files W&B writes (the ``run-<id>.wandb`` record log and ``files/media``)."""
 
 from __future__ import annotations
@@ -167,18 +167,18 @@ def test_vhgpo_tiny_relay_table_plots_and_summary_in_the_offline_run(wandb_env, 
         capsys,
     )
     v0 = run / "version_0"
-    # item 5: W&B's files and the saved config in the run directory, nothing in the cwd
+    # W&B's files and the saved config in the run directory, nothing in the cwd
     assert sorted(p.name for p in wandb_env.iterdir()) == []
     assert (v0 / "config.yaml").is_file() and (v0 / "metrics.csv").is_file()
     (wb,) = offline_runs(v0)
     assert json.loads((v0 / "wandb_run.json").read_text())["id"] == wb.run.run_id
-    # item 1: every metric against the RL update
+    # every metric against the RL update
     axis = [m for m in wb.metrics if m.glob_name == "*"]
     assert [m.step_metric for m in axis] == ["update"]
     train = [h for h in wb.history if "rollout/reward_mean" in h]
     assert [h["update"] for h in train] == [0]
     assert {k.split("/")[0] for h in train for k in h} >= {"rollout", "loss", "relay", "cost"}
-    # item 2: one row per searched group, as in relays.jsonl and relay/selected
+    # one row per searched group, as in relays.jsonl and relay/selected
     recs = [json.loads(x) for x in (v0 / "relays.jsonl").read_text().splitlines()]
     selected = sum(float(r["relay/selected"]) for r in csv_rows(v0) if r.get("relay/selected"))
     rows = wb.table_rows("relay/records")
@@ -188,7 +188,7 @@ def test_vhgpo_tiny_relay_table_plots_and_summary_in_the_offline_run(wandb_env, 
     assert [(g["update"], g["task"], g["retained"], g["reason"]) for g in got] == [
         (r["step"], r["task"], r["retained"], r["reason"]) for r in recs
     ]
-    # item 3: the report plots as images, the run summary as a table and summary keys
+    # the report plots as images, the run summary as a table and summary keys
     written = sorted(p.stem for p in (run / "report").glob("*.png"))
     assert written and sorted({n.split("_")[0] for n in wb.images()}) == sorted(
         {w.split("_")[0] for w in written}
@@ -260,13 +260,13 @@ def test_graft_tiny_study_run_exchange_table_resume_and_test(
     cli([*fit, "--trainer.max_steps", "2"], capsys)
     v0 = run / "version_0"
     (wb0,) = offline_runs(v0)
-    # item 4: the study's group and the method's job type
+    # the study's group and the method's job type
     assert (wb0.run.run_group, wb0.run.job_type, wb0.run.display_name) == (
         "wb_study",
         "graft",
         "graft-seed0",
     )
-    # item 2: one row per transferred group, as exchange.jsonl says
+    # one row per transferred group, as exchange.jsonl says
     recs = [json.loads(x) for x in (v0 / "exchange.jsonl").read_text().splitlines()]
     rows = wb0.table_rows("graft/exchange")
     cols = wb0.table_columns("graft/exchange")
@@ -297,7 +297,7 @@ def test_graft_tiny_study_run_exchange_table_resume_and_test(
     assert wb1.table_rows("graft/exchange") == []  # update 2's rows: already in the W&B run
     assert len(json.loads((v1 / "exchange.jsonl").read_text().splitlines()[0])["a_to_b"]) == 1
 
-    # item 3: `salvage test` logs the evaluation and the checkpoint-cost tables, and the plots
+    # `salvage test` logs the evaluation and the checkpoint-cost tables, and the plots
     cli(["test", *common, "--ckpt_path", str(v1 / "checkpoints" / "last.ckpt")], capsys)
     (wb2,) = offline_runs(run / "version_2")
     assert wb2.run.run_id == wb0.run.run_id

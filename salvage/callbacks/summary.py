@@ -1,7 +1,11 @@
-"""Prints a short table at the end of ``fit``: first vs last value of the key metrics."""
+"""What a fit tells its user: the run directory when it starts; at the end, a short table
+(first vs last value of the key metrics), then the run directory again and the next commands
+with it filled in (report, export, test, W&B)."""
 
 from __future__ import annotations
 
+import os
+import shlex
 from typing import Any
 
 import lightning as L
@@ -33,11 +37,89 @@ DEFAULT_KEYS = (
 )
 
 
+def run_dir(trainer: L.Trainer) -> tuple[str, str | None]:
+    """(the run directory, its ``version_N``) of a trainer: ``RUN`` and ``version_N`` when the
+    logger writes to ``RUN/version_N`` (salvage's CSV logger), else (its log dir, None)."""
+    # the first logger's own dir: ``trainer.log_dir`` broadcasts, which rank 0 alone must not
+    log_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+    if not log_dir:
+        return trainer.default_root_dir, None
+    head, tail = os.path.split(os.path.normpath(log_dir))
+    if tail.startswith("version_"):
+        return head, tail
+    return log_dir, None
+
+
+def _quote(path: str) -> str:
+    return shlex.quote(str(path))
+
+
+def _checkpoint(trainer: L.Trainer) -> str | None:
+    """The checkpoint this fit wrote last (``last.ckpt`` when kept), if any."""
+    for cb in trainer.checkpoint_callbacks:
+        for path in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")):
+            if path and os.path.exists(path):
+                return str(path)
+    return None
+
+
+def _policies(pl_module: L.LightningModule) -> list[str]:
+    """The ``--policy`` names of a module holding several policies (GRAFT, N peers)."""
+    hp = getattr(pl_module, "hparams", {}) or {}
+    peers = hp.get("policies")
+    if isinstance(peers, list | tuple) and peers:
+        return [chr(ord("a") + i) for i in range(len(peers))]
+    return ["a", "b"] if "policy_a" in hp else []
+
+
+def watch_line(trainer: L.Trainer) -> str:
+    """How to see this run in W&B: its URL (online), ``wandb sync DIR`` (offline), or how
+    to turn W&B on."""
+    from salvage.loggers import WandbLogger
+
+    for lg in trainer.loggers:
+        if isinstance(lg, WandbLogger) and not lg.failed:
+            if lg.run_url:
+                return f"W&B: {lg.run_url}"
+            if lg.sync_dir:
+                return f"W&B (offline; upload it with): wandb sync {_quote(lg.sync_dir)}"
+    return "W&B: not logged (add --config configs/logger/wandb.yaml to a fit)"
+
+
+def handover_lines(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+    """The run directory and the next commands, with this run's paths filled in."""
+    root, version = run_dir(trainer)
+    here = os.path.join(root, version) if version else root  # this version's own files
+    where = f" ({version})" if version else ""
+    lines = [f"salvage: run dir {root}{where}; next:"]
+    lines.append(f"  salvage report {_quote(root)}")
+    ckpt = _checkpoint(trainer)
+    if ckpt is None:
+        lines.append(
+            "  (salvage export / salvage test need a checkpoint: this run kept none, "
+            "e.g. trainer.enable_checkpointing is false)"
+        )
+    else:
+        names = _policies(pl_module)
+        pick = f" --policy {names[0]}" if names else ""
+        out = os.path.join(here, "hf" + (f"_{names[0]}" if names else ""))
+        also = f"  (or --policy {', '.join(names[1:])})" if names else ""
+        lines.append(f"  salvage export {_quote(ckpt)} {_quote(out)}{pick}{also}")
+        config = os.path.join(here, "config.yaml")
+        if os.path.exists(config):
+            lines.append(f"  salvage test --config {_quote(config)} --ckpt_path {_quote(ckpt)}")
+    lines.append(f"  {watch_line(trainer)}")
+    return lines
+
+
 class RunSummary(L.Callback):
     """Collects the value of ``keys`` logged at every step; prints first / last / mean.
 
     Keys a run does not log (e.g. ``relay/*`` without a rescue stage) are left out.
-    ``*_cum`` and ``cost/*`` are cumulative: their "last" is the run total.
+    ``*_cum`` and ``cost/*`` are cumulative: their "last" is the run total. A fit also prints
+    ``salvage: run dir RUN (version_N)`` when it starts and, after the table, the run dir
+    and the next commands with its paths filled in (``salvage report``, ``salvage export``,
+    ``salvage test``, W&B). Rank 0 only.
 
     Args:
         keys: the metrics to show (None: a default list of the key metrics).
@@ -46,6 +128,11 @@ class RunSummary(L.Callback):
     def __init__(self, keys: list[str] | None = None) -> None:
         self.keys = list(keys or DEFAULT_KEYS)
         self.history: dict[str, list[float]] = {k: [] for k in self.keys}
+
+    @rank_zero_only
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        root, version = run_dir(trainer)
+        print(f"salvage: run dir {root}" + (f" ({version})" if version else ""), flush=True)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
@@ -76,3 +163,4 @@ class RunSummary(L.Callback):
             describe = getattr(cb, "describe", None)
             if callable(describe):
                 console.print(describe(), soft_wrap=True, markup=False)
+        print("\n".join(handover_lines(trainer, pl_module)), flush=True)
