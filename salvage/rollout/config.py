@@ -27,7 +27,8 @@ class EngineConfig:
     """Sampling settings of a rollout engine. Every field is a config key."""
 
     backend: str = "hf"
-    """``hf`` (transformers generate; CPU and tests) or ``vllm`` (GPU, extra ``gpu``)."""
+    """``hf`` (our decode loop on the live model; CPU and GPU) or ``vllm`` (a colocated
+    ``vllm.LLM``: the extra ``gpu`` on a GPU, or vLLM's CPU build)."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
@@ -77,8 +78,13 @@ class EngineConfig:
     """vllm: context length (prompt + response); None: the model's."""
     vllm_dtype: str = "bfloat16"
     """vllm: the engine's weight dtype (the weights are cast to it at every sync)."""
-    vllm_enforce_eager: bool = False
-    """vllm: no CUDA graphs / compilation (faster start, slower decoding; quick checks)."""
+    vllm_enforce_eager: bool | None = None
+    """vllm: no CUDA graphs / compilation (faster start, slower decoding; quick checks).
+    None: eager on CPU (vLLM's CPU build), compiled on a GPU."""
+    vllm_cpu_kvcache_gb: int | None = None
+    """vllm on CPU: the engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``, set for each
+    build); None: a ``VLLM_CPU_KVCACHE_SPACE`` already set, else 1. The sum over a
+    process's engines must fit in half the machine's memory."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -110,6 +116,11 @@ class EngineConfig:
             raise ValueError(
                 f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "
                 f"{self.vllm_gpu_memory_utilization}"
+            )
+        if self.vllm_cpu_kvcache_gb is not None and self.vllm_cpu_kvcache_gb < 1:
+            raise ValueError(
+                f"engine.vllm_cpu_kvcache_gb must be a whole number of GiB >= 1, got "
+                f"{self.vllm_cpu_kvcache_gb}"
             )
         if self.vllm_sleep_level not in (0, 1, 2):
             raise ValueError(
