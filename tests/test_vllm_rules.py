@@ -10,12 +10,22 @@ import torch
 
 from salvage.rollout.config import EngineConfig
 from salvage.rollout.vllm_rules import (
+    CPU_KVCACHE_VAR,
     MP_VAR,
     EngineRegistry,
+    PlatformFacts,
     SyncState,
+    check_cpu_kvcache_fits,
+    check_servable,
     check_vllm_version,
+    cpu_kvcache_gib,
+    cpu_scheduler_kwargs,
+    cpu_weight_packing_problem,
+    default_enforce_eager,
     executor_backend,
     launcher_env,
+    model_head_dim,
+    platform_sleep_level,
     preserved_rng,
     request_seeds,
     require_in_process,
@@ -186,3 +196,79 @@ def test_preserved_rng_restores_after_an_error():
         torch.manual_seed(0)
         raise ValueError("engine build failed")
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# -- platform: vLLM's CPU build -------------------------------------------------------------
+CPU = PlatformFacts("cpu", True, False, ("bfloat16", "float16", "float32"), (32, 64, 128))
+GPU = PlatformFacts("cuda", False, True, ("bfloat16", "float16", "float32"))
+
+
+def test_cpu_has_no_sleep_mode_and_says_why_in_one_line():
+    level, why = platform_sleep_level(1, CPU)
+    assert level == 0 and why is not None and "\n" not in why
+    assert "no sleep mode on cpu" in why and "vllm_sleep_level=1" in why
+    assert platform_sleep_level(2, GPU) == (2, None)
+    assert platform_sleep_level(0, CPU) == (0, None)
+
+
+def test_eager_by_default_on_cpu_only():
+    assert default_enforce_eager(None, CPU) is True
+    assert default_enforce_eager(None, GPU) is False
+    assert default_enforce_eager(False, CPU) is False
+    assert EngineConfig(backend="vllm").vllm_enforce_eager is None
+
+
+def test_a_model_the_backend_cannot_serve_is_refused_naming_value_and_limits():
+    with pytest.raises(ValueError, match=r"tiny has attention head size 16.*32, 64, 128"):
+        check_servable("tiny", 16, "float32", CPU)
+    with pytest.raises(ValueError, match=r"vllm_dtype='float64'.*bfloat16, float16, float32"):
+        check_servable("m", 64, "float64", CPU)
+    check_servable("m", 64, "float32", CPU)
+    check_servable("m", 16, "bfloat16", GPU)  # GPU attention backends: vLLM picks per model
+    from types import SimpleNamespace
+
+    assert model_head_dim(SimpleNamespace(hidden_size=256, num_attention_heads=4)) == 64
+    assert model_head_dim(SimpleNamespace(head_dim=80, hidden_size=256)) == 80
+
+
+def test_cpu_kvcache_size_and_the_process_sum_against_memory():
+    assert cpu_kvcache_gib(3, {}) == 3
+    assert cpu_kvcache_gib(None, {CPU_KVCACHE_VAR: "2"}) == 2
+    assert cpu_kvcache_gib(None, {}) == 1
+    with pytest.raises(ValueError, match="whole number"):
+        cpu_kvcache_gib(None, {CPU_KVCACHE_VAR: "1.5"})
+    gib = 1024**3
+    check_cpu_kvcache_fits(4, [4, 3], 24 * gib)  # 11 of 12 GiB allowed
+    with pytest.raises(ValueError, match=r"would hold 13 GiB.*7 GiB in 2 engine\(s\)"):
+        check_cpu_kvcache_fits(6, [4, 3], 24 * gib)
+    with pytest.raises(ValueError, match="engine.vllm_cpu_kvcache_gb"):
+        EngineConfig(backend="vllm", vllm_cpu_kvcache_gb=0)
+
+
+def test_seeded_requests_are_never_prefilled_in_chunks_on_cpu():
+    kw = cpu_scheduler_kwargs(2048)
+    assert kw == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    assert cpu_scheduler_kwargs(8192)["max_num_batched_tokens"] == 8192  # >= one context
+
+
+def test_trainable_cpu_engines_refuse_weights_vllm_would_repack():
+    assert cpu_weight_packing_problem("float32", amx=True, frozen=False) is None
+    assert cpu_weight_packing_problem("bfloat16", amx=False, frozen=False) is None
+    assert cpu_weight_packing_problem("bfloat16", amx=True, frozen=True) is None
+    why = cpu_weight_packing_problem("bfloat16", amx=True, frozen=False)
+    assert why is not None and "float32" in why
+
+
+def test_registry_forgets_a_closed_backend_and_sums_kv_caches():
+    class B:
+        def __init__(self, kv):
+            self.kv_gib = kv
+
+    reg, model = EngineRegistry(), torch.nn.Linear(1, 1)
+    a, b = B(2), B(3)
+    reg.add(model, ("a",), a)
+    reg.add(model, ("b",), b)
+    reg.claim_sleep(a)
+    assert sorted(reg.kv_cache_gib()) == [2, 3]
+    reg.remove(a)
+    assert reg.kv_cache_gib() == [3] and reg.sleep_owner is None and reg.find(model, ("a",)) is None

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,7 +16,10 @@ import torch
 
 from salvage.types import RolloutEngine
 
+log = logging.getLogger(__name__)
+
 BACKENDS = ("hf", "vllm")
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -17,7 +27,8 @@ class EngineConfig:
     """Sampling settings of a rollout engine. Every field is a config key."""
 
     backend: str = "hf"
-    """``hf`` (transformers generate; CPU and tests) or ``vllm`` (GPU, extra ``gpu``)."""
+    """``hf`` (our decode loop on the live model; CPU and GPU) or ``vllm`` (a colocated
+    ``vllm.LLM``: the extra ``gpu`` on a GPU, or vLLM's CPU build)."""
     temperature: float = 1.0
     """Sampling temperature (0: greedy)."""
     top_p: float = 1.0
@@ -28,6 +39,10 @@ class EngineConfig:
     """Stop strings: generation of a sample ends once its text contains one (kept)."""
     batch_size: int = 64
     """Sequences per ``generate`` call."""
+    generate_timeout_s: float | None = DEFAULT_GENERATE_TIMEOUT_S
+    """Wall-clock limit of one ``generate`` call (seconds; None: none). A call past it is
+    interrupted and counts as an engine error: the engine is rebuilt and the call retried
+    once, then the update fails."""
     logprob_batch_size: int = 8
     """Sequences per forward pass when recomputing behaviour log-probs (vllm, or hf with
     ``hf_recompute_logprobs``)."""
@@ -63,8 +78,13 @@ class EngineConfig:
     """vllm: context length (prompt + response); None: the model's."""
     vllm_dtype: str = "bfloat16"
     """vllm: the engine's weight dtype (the weights are cast to it at every sync)."""
-    vllm_enforce_eager: bool = False
-    """vllm: no CUDA graphs / compilation (faster start, slower decoding; quick checks)."""
+    vllm_enforce_eager: bool | None = None
+    """vllm: no CUDA graphs / compilation (faster start, slower decoding; quick checks).
+    None: eager on CPU (vLLM's CPU build), compiled on a GPU."""
+    vllm_cpu_kvcache_gb: int | None = None
+    """vllm on CPU: the engine's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``, set for each
+    build); None: a ``VLLM_CPU_KVCACHE_SPACE`` already set, else 1. The sum over a
+    process's engines must fit in half the machine's memory."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -75,6 +95,11 @@ class EngineConfig:
             raise ValueError(f"engine.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.generate_timeout_s is not None and self.generate_timeout_s <= 0:
+            raise ValueError(
+                f"engine.generate_timeout_s must be > 0 (or null: no limit), got "
+                f"{self.generate_timeout_s}"
+            )
         if self.batch_size < 1 or self.logprob_batch_size < 1:
             raise ValueError("engine.batch_size and engine.logprob_batch_size must be >= 1")
         if self.hf_decode_loop not in ("own", "generate"):
@@ -91,6 +116,11 @@ class EngineConfig:
             raise ValueError(
                 f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "
                 f"{self.vllm_gpu_memory_utilization}"
+            )
+        if self.vllm_cpu_kvcache_gb is not None and self.vllm_cpu_kvcache_gb < 1:
+            raise ValueError(
+                f"engine.vllm_cpu_kvcache_gb must be a whole number of GiB >= 1, got "
+                f"{self.vllm_cpu_kvcache_gb}"
             )
         if self.vllm_sleep_level not in (0, 1, 2):
             raise ValueError(
@@ -147,20 +177,142 @@ def call_settings(
 
 
 class RolloutEngineError(RuntimeError):
-    """The rollout engine failed twice on the same request; the step cannot go on."""
+    """The rollout engine failed on a request and again on a rebuilt engine (or could not
+    be rebuilt); the update cannot go on."""
+
+
+class GenerateTimeout(RuntimeError):
+    """A ``generate`` call ran past ``engine.generate_timeout_s``."""
+
+
+EXIT_ENGINE_HUNG = 70
+"""Exit status (``EX_SOFTWARE``) when a ``generate`` call could not even be interrupted
+(stuck in native code past its limit and a grace period): the process ends itself."""
+
+_HARD_EXIT_HOOKS: list[Callable[[], None]] = []
+"""Run before that hard exit (it skips ``atexit``): the engines' temporary checkpoints."""
+
+
+def on_hard_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` before the process ends itself on a stuck ``generate`` call."""
+    _HARD_EXIT_HOOKS.append(fn)
+
+
+def hard_exit_grace_s(timeout_s: float) -> float:
+    """How long past its limit a stuck call may go on before the process ends itself."""
+    return min(120.0, max(10.0, timeout_s))
+
+
+def _hard_exit(timeout_s: float) -> None:
+    print(
+        f"salvage: error: a rollout engine generate call ran past engine.generate_timeout_s="
+        f"{timeout_s:g} s and did not stop within {hard_exit_grace_s(timeout_s):g} s more "
+        f"(stuck outside Python); exiting with status {EXIT_ENGINE_HUNG} (last.ckpt holds "
+        f"the last finished update)",
+        file=sys.stderr,
+        flush=True,
+    )
+    for fn in _HARD_EXIT_HOOKS:
+        with contextlib.suppress(Exception):
+            fn()
+    os._exit(EXIT_ENGINE_HUNG)
+
+
+@contextlib.contextmanager
+def generate_guard(timeout_s: float | None) -> Iterator[None]:
+    """One ``generate`` call's wall-clock limit, and SIGTERM ending the call at once.
+
+    - The limit is a ``SIGALRM`` timer whose handler raises :class:`GenerateTimeout` in the
+      call (Python code, vLLM's scheduler loop included, is interrupted between
+      bytecodes; native code when it returns). Should the call still not return
+      :func:`hard_exit_grace_s` later (stuck in native code), a watchdog thread prints one
+      line, removes the engines' temporary checkpoints and ends the process with
+      :data:`EXIT_ENGINE_HUNG`.
+    - A SIGTERM during the call runs the handler that was there (Lightning's marks the
+      run stopped) and then raises Lightning's ``SIGTERMException`` out of the call: the
+      update in flight is dropped, ``last.ckpt`` holds the last finished one and
+      ``salvage fit`` exits 75 (Lightning alone would wait for the call to return). SIGINT
+      needs nothing here: Python raises ``KeyboardInterrupt`` in the call (exit 130).
+
+    Signals are the main thread's: from another thread the call runs without a limit.
+    ``timeout_s`` None or 0: no limit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev_alarm = signal.getsignal(signal.SIGALRM)
+    prev_term = signal.getsignal(signal.SIGTERM)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise GenerateTimeout(
+            f"the generate call ran past engine.generate_timeout_s={timeout_s:g} s "
+            f"(raise it for longer rollouts)"
+        )
+
+    def on_term(signum: int, frame: Any) -> None:
+        if callable(prev_term):
+            prev_term(signum, frame)
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        raise SIGTERMException
+
+    watchdog: threading.Timer | None = None
+    term_set = callable(prev_term) and prev_term is not signal.default_int_handler
+    if term_set:
+        signal.signal(signal.SIGTERM, on_term)
+    if timeout_s:
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        watchdog = threading.Timer(
+            timeout_s + hard_exit_grace_s(timeout_s), _hard_exit, args=(timeout_s,)
+        )
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        yield
+    finally:
+        if timeout_s:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, prev_alarm)
+        if watchdog is not None:
+            watchdog.cancel()
+        if term_set:
+            signal.signal(signal.SIGTERM, prev_term)
 
 
 def generate_with_retry(engine: RolloutEngine, *args: Any, **kwargs: Any) -> Any:
-    """``engine.generate`` retried once on an error; a second error fails with both causes."""
-    import logging
+    """``engine.generate`` under the engine's wall-clock limit; on an error, once more on a
+    rebuilt engine.
 
+    An error inside an engine (a timeout included) may leave it broken (vLLM's scheduler
+    spinning on a failed request), so it is never retried on the same engine: the engine's
+    ``rebuild()`` disposes of what it built and builds it anew, then the call runs once
+    more. A second error, or an engine without ``rebuild``, fails the update with
+    :class:`RolloutEngineError` naming both causes. Signals (SIGTERM, SIGINT) are not
+    errors: they stop the run (:func:`generate_guard`)."""
+    timeout = getattr(engine, "generate_timeout_s", DEFAULT_GENERATE_TIMEOUT_S)
     try:
-        return engine.generate(*args, **kwargs)
-    except Exception as first:  # noqa: BLE001 - any engine fault gets one retry
-        logging.getLogger(__name__).warning("rollout engine error, retrying once: %r", first)
-        try:
+        with generate_guard(timeout):
             return engine.generate(*args, **kwargs)
+    except Exception as first:  # noqa: BLE001 - any engine fault: rebuild, retry once
+        rebuild = getattr(engine, "rebuild", None)
+        if rebuild is None:
+            raise RolloutEngineError(
+                f"rollout engine failed: {first!r} ({type(engine).__name__} has no rebuild(), "
+                f"so it is not retried on the same engine)"
+            ) from first
+        log.warning("rollout engine error: %r; rebuilding the engine, retrying once", first)
+        try:
+            rebuild()
+        except Exception as e:
+            raise RolloutEngineError(
+                f"rollout engine failed: {first!r}, and could not be rebuilt: {e!r}"
+            ) from e
+        try:
+            with generate_guard(timeout):
+                return engine.generate(*args, **kwargs)
         except Exception as second:
             raise RolloutEngineError(
-                f"rollout engine failed twice: first {first!r}, then {second!r}"
+                f"rollout engine failed twice (the second time rebuilt): first {first!r}, "
+                f"then {second!r}"
             ) from second

@@ -55,7 +55,7 @@ import torch
 from salvage.distributed import check_gathered
 from salvage.lm import pad_left, response_logprobs
 from salvage.progress import stage
-from salvage.rollout.config import EngineConfig, call_settings
+from salvage.rollout.config import DEFAULT_GENERATE_TIMEOUT_S, EngineConfig, call_settings
 from salvage.types import Sample
 
 DECODE_LOOPS = ("own", "generate")
@@ -306,6 +306,7 @@ class HFEngine:
             tall_head=cfg.hf_tall_head,
             compile_decode=cfg.hf_compile_decode,
             compile_max_rows=cfg.hf_compile_max_rows,
+            generate_timeout_s=cfg.generate_timeout_s,
         )
 
     def __init__(
@@ -324,6 +325,7 @@ class HFEngine:
         tall_head: bool | None = None,
         compile_decode: bool = False,
         compile_max_rows: int = 8,
+        generate_timeout_s: float | None = DEFAULT_GENERATE_TIMEOUT_S,
     ) -> None:
         """Args:
         model: the live causal LM to sample (a ``transformers`` model).
@@ -346,6 +348,8 @@ class HFEngine:
             the first calls compile.
         compile_max_rows: compiled steps only while at most this many rows are live
             (larger steps: eager).
+        generate_timeout_s: wall-clock limit of one call made through
+            ``generate_with_retry`` (None: none).
         """
         if decode_loop not in DECODE_LOOPS:
             raise ValueError(
@@ -370,6 +374,7 @@ class HFEngine:
         self.tall_head = tall_head
         self.compile_decode = compile_decode
         self.compile_max_rows = compile_max_rows
+        self.generate_timeout_s = generate_timeout_s
         if compile_decode and decode_loop != "own":
             raise ValueError("engine hf_compile_decode=true needs hf_decode_loop='own'")
         self._compiled: Any = None
@@ -383,6 +388,21 @@ class HFEngine:
 
     def release(self) -> None:
         """Nothing to do: it holds no memory of its own."""
+
+    def rebuild(self) -> None:
+        """Drop what the engine built (the compiled decode step, the head swap) after an
+        error inside a call; the live model's LM head is put back if a call was cut off
+        while the tall head was in place. The next call builds them anew."""
+        model: Any = self.model  # a transformers model
+        head = model.get_output_embeddings()
+        if isinstance(head, _TallHead):
+            model.set_output_embeddings(head.head)
+        self._compiled = None
+        self._swap = None
+        self._loop_timings = {}
+
+    def close(self) -> None:
+        """Nothing to free: it holds a reference to the live model only."""
 
     @property
     def pad_id(self) -> int:

@@ -18,6 +18,11 @@ are in that module's docstring).
 - **Sampling.** :func:`check_vllm_sampling`, :func:`request_seeds`, :func:`samples_to_send`.
 - **RNG.** :func:`preserved_rng`: building an engine reseeds the global RNGs; they are
   put back.
+- **Platform.** :class:`PlatformFacts` (read from vLLM's ``current_platform``):
+  :func:`platform_sleep_level` (no sleep mode on CPU), :func:`default_enforce_eager`,
+  :func:`check_servable` (head size, dtype), :func:`cpu_kvcache_gib` /
+  :func:`check_cpu_kvcache_fits`, :func:`cpu_scheduler_kwargs` (seeded requests, no
+  chunked prefill), :func:`cpu_weight_packing_problem` (read in vLLM 0.32.0's CPU build).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import contextlib
 import random
 import re
 import weakref
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -221,6 +227,16 @@ class EngineRegistry:
     def add(self, model: Any, key: tuple, backend: Any) -> None:
         self._shared.append((weakref.ref(model), key, backend))
 
+    def remove(self, backend: Any) -> None:
+        """Forget a closed backend (and free the process's sleep mode if it held it)."""
+        self._shared = [(r, k, b) for r, k, b in self._shared if b is not backend]
+        if self.sleep_owner is backend:
+            self.sleep_owner = None
+
+    def kv_cache_gib(self) -> list[int]:
+        """The CPU KV cache (GiB) of each live backend (``kv_gib``; 0 on a GPU)."""
+        return [int(getattr(b, "kv_gib", 0)) for r, _, b in self._shared if r() is not None]
+
 
 REGISTRY = EngineRegistry()
 
@@ -244,3 +260,136 @@ def preserved_rng() -> Iterator[None]:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+# -- platform (CPU or GPU, as vLLM itself detects it) ----------------------------------------
+GIB = 1024**3
+CPU_KVCACHE_VAR = "VLLM_CPU_KVCACHE_SPACE"
+"""vLLM's CPU platform reads it (integer GiB) from ``os.environ`` at every engine build and
+makes it the KV cache size; without it ``gpu_memory_utilization`` is read as a share of
+system memory."""
+CPU_KVCACHE_SHARE = 0.5
+"""The KV caches of one process's CPU engines may take at most this share of the memory."""
+CPU_MIN_BATCHED_TOKENS = 4096
+"""vLLM's CPU default for ``max_num_batched_tokens`` (``LLM`` class)."""
+
+
+@dataclass(frozen=True)
+class PlatformFacts:
+    """What the engine needs to know of vLLM's ``current_platform`` (read in ``vllm.py``)."""
+
+    name: str
+    """vLLM's ``device_type``: ``cuda``, ``rocm``, ``cpu``, ``xpu``..."""
+    is_cpu: bool
+    sleep_available: bool
+    """``is_sleep_mode_available()``: CUDA, ROCm, XPU only."""
+    dtypes: tuple[str, ...]
+    """``supported_dtypes`` as names (``float32``, ``bfloat16``...)."""
+    head_sizes: tuple[int, ...] | None = None
+    """Attention head sizes the platform's attention backend takes (CPU: CPU_ATTN's
+    ``get_supported_head_sizes``); None: not checked here (GPU backends are chosen per model)."""
+
+
+def platform_sleep_level(requested: int, facts: PlatformFacts) -> tuple[int, str | None]:
+    """The sleep level the platform allows, and the one-line reason when it lowers it."""
+    if requested and not facts.sleep_available:
+        return 0, (
+            f"vLLM has no sleep mode on {facts.name} (CUDA, ROCm and XPU only): the engine "
+            f"runs at sleep level 0 (engine.vllm_sleep_level={requested} ignored) and keeps "
+            f"its memory during training"
+        )
+    return requested, None
+
+
+def default_enforce_eager(setting: bool | None, facts: PlatformFacts) -> bool:
+    """``engine.vllm_enforce_eager`` unset: eager on CPU (compiling costs ~45 s a build
+    there and decoding gains little), CUDA graphs / compilation elsewhere."""
+    return facts.is_cpu if setting is None else setting
+
+
+def model_head_dim(config: Any) -> int | None:
+    """A transformers config's attention head size (``head_dim``, else width / heads)."""
+    head = getattr(config, "head_dim", None)
+    if head:
+        return int(head)
+    width, heads = (
+        getattr(config, "hidden_size", None),
+        getattr(config, "num_attention_heads", None),
+    )
+    return int(width) // int(heads) if width and heads else None
+
+
+def check_servable(model_name: str, head_dim: int | None, dtype: str, facts: PlatformFacts) -> None:
+    """Refuse, when the engine is built, a model the platform's vLLM cannot serve (vLLM
+    itself accepts it and fails at the first generate), naming the value and the limits."""
+    if dtype not in facts.dtypes:
+        raise ValueError(
+            f"engine.vllm_dtype={dtype!r}: vLLM on {facts.name} supports {', '.join(facts.dtypes)}"
+        )
+    if facts.head_sizes is not None and head_dim is not None and head_dim not in facts.head_sizes:
+        raise ValueError(
+            f"{model_name} has attention head size {head_dim}; vLLM's attention on "
+            f"{facts.name} supports head sizes {', '.join(map(str, facts.head_sizes))} "
+            f"(use backend: hf for this model)"
+        )
+
+
+def cpu_kvcache_gib(setting: int | None, environ: MutableMapping[str, str]) -> int:
+    """The KV cache (GiB) of a CPU engine: ``engine.vllm_cpu_kvcache_gb``, else a
+    ``VLLM_CPU_KVCACHE_SPACE`` the user set, else 1."""
+    if setting is not None:
+        return setting
+    value = environ.get(CPU_KVCACHE_VAR, "")
+    if value:
+        try:
+            gib = int(value)
+        except ValueError:
+            raise ValueError(f"{CPU_KVCACHE_VAR}={value!r} must be a whole number of GiB") from None
+        if gib > 0:
+            return gib
+    return 1
+
+
+def check_cpu_kvcache_fits(new_gib: int, others_gib: Sequence[int], total_bytes: int) -> None:
+    """The KV caches of this process's CPU engines (those built and the new one) must fit in
+    ``CPU_KVCACHE_SHARE`` of the machine's memory, leaving room for weights and training."""
+    used = sum(others_gib) + new_gib
+    limit = CPU_KVCACHE_SHARE * total_bytes / GIB
+    if used > limit:
+        raise ValueError(
+            f"engine.vllm_cpu_kvcache_gb={new_gib}: this process's vLLM engines would hold "
+            f"{used} GiB of KV cache ({sum(others_gib)} GiB in {len(others_gib)} engine(s) "
+            f"already built), more than {CPU_KVCACHE_SHARE:.0%} of this machine's "
+            f"{total_bytes / GIB:.1f} GiB memory ({limit:.1f} GiB); lower "
+            f"engine.vllm_cpu_kvcache_gb"
+        )
+
+
+def cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
+    """Scheduler settings for seeded sampling on CPU: no chunked prefill.
+
+    vLLM's model runner rewinds a seeded request's generator (``set_offset``) when a
+    prefill chunk ends before the prompt does, and a CPU ``torch.Generator`` has no
+    offset ("CPU Generator does not use offset"). Every request here is seeded, so
+    prompts are prefilled whole: chunked prefill off, and a step's token budget at least
+    one full context (vLLM requires it then)."""
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(int(max_model_len), CPU_MIN_BATCHED_TOKENS),
+    }
+
+
+def cpu_weight_packing_problem(dtype: str, amx: bool, frozen: bool) -> str | None:
+    """Why a trainable CPU engine could not be synced, or None.
+
+    vLLM's CPU linears repack their weights after loading (oneDNN, or sgl-kernel on AMX
+    for bf16 / fp16) and drop the ``Parameter`` that ``load_weights`` writes into. oneDNN
+    is switched off while a trainable engine is built (``vllm._custom_ops._supports_onednn``);
+    the sgl-kernel path has no switch, so those settings are refused."""
+    if not frozen and amx and dtype in ("bfloat16", "float16"):
+        return (
+            f"engine.vllm_dtype={dtype!r} on an AMX CPU: vLLM packs these weights for "
+            f"sgl-kernel after loading, so the weight sync cannot write into them; use "
+            f"vllm_dtype: float32 for a trainable policy"
+        )
+    return None
