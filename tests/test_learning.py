@@ -197,6 +197,7 @@ def _graft_fit(root, module, data, callbacks=()):
     return load_metrics(Path(trainer.log_dir) / "metrics.csv")
 
 
+@pytest.mark.slow  # ~150 s on the loaded 2-core machine (two 16-update fits)
 def test_graft_exchange_teaches_the_receiver_what_only_the_peer_solves(tmp_path):
     """GRAFT on 4 sums only the peer solves: the receiver's success rises with the exchange
     and stays at 0 without it (set-up and measured numbers in the module docstring)."""
