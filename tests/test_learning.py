@@ -45,6 +45,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from salvage.callbacks.answer_sft import AnswerSFT
