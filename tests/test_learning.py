@@ -44,8 +44,8 @@ import random
 from pathlib import Path
 
 import lightning as L
-import torch
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from salvage.callbacks.answer_sft import AnswerSFT
