@@ -528,9 +528,11 @@ def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -
     for c in criteria:
         pts = sorted(series.get(c.metric, {}).items())
         if not pts:
-            names = sorted(series)
-            shown = ", ".join(names[:20]) + (
-                f" (+{len(names) - 20} more)" if len(names) > 20 else ""
+            # the metrics of the same namespace first (a misspelt name is among them)
+            ns = c.metric.split("/", 1)[0]
+            names = sorted(series, key=lambda k: (k.split("/", 1)[0] != ns, k))
+            shown = ", ".join(names[:40]) + (
+                f" (+{len(names) - 40} more)" if len(names) > 40 else ""
             )
             why = (
                 f"{c.metric} is not in the calibration's metrics.csv (it has: {shown or 'nothing'})"

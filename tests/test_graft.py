@@ -517,7 +517,7 @@ def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
         "--trainer.enable_progress_bar",
         "false",
         "--data.init_args.val",
-        "{source: 'reasoning_gym:basic_arithmetic', size: 2, name: arith}",
+        "{source: 'reasoning_gym:basic_arithmetic', size: 2, seed: 1234, name: arith}",
         "--data.init_args.val_samples",
         "2",
         "--data.init_args.val_batch_size",

@@ -129,11 +129,21 @@ def test_runs_never_cross_and_resume_is_checked(tmp_path, capsys):
     [
         (
             MATH_TINY,
-            ["--data.init_args.val", "{source: reasoning_gym:basic_arithmetic, size: 2}"],
+            [
+                "--data.init_args.val",
+                # seed 1234: reasoning-gym draws item i of seed s as item s + i of seed 0,
+                # so small seeds repeat the 200 training prompts (the held-out guard refuses)
+                "{source: reasoning_gym:basic_arithmetic, size: 2, seed: 1234}",
+            ],
         ),
         (
             GRAFT_TINY,
-            ["--data.init_args.val", "{source: reasoning_gym:basic_arithmetic, size: 2}"],
+            [
+                "--data.init_args.val",
+                # seed 1234: reasoning-gym draws item i of seed s as item s + i of seed 0,
+                # so small seeds repeat the 200 training prompts (the held-out guard refuses)
+                "{source: reasoning_gym:basic_arithmetic, size: 2, seed: 1234}",
+            ],
         ),
         pytest.param(
             VHGPO_TINY,

@@ -242,7 +242,7 @@ def test_graft_tiny_study_run_exchange_table_resume_and_test(
         "--data.class_path",
         f"{__name__}.ScriptedGraft",
         "--data.init_args.val",
-        "{source: 'reasoning_gym:basic_arithmetic', size: 2, name: arith}",
+        "{source: 'reasoning_gym:basic_arithmetic', size: 2, seed: 1234, name: arith}",
         "--data.init_args.val_samples",
         "2",
         "--data.init_args.val_batch_size",
