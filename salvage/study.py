@@ -32,6 +32,7 @@ A study file::
       criteria:                   # metric: a metrics.csv column; one of ">=", "<=", ">", "<"
         - {metric: rollout/zero_signal_frac, steps: [1, 3], stat: mean, ">=": 0.6}
         - {metric: graft/admitted_frac, stat: last, ">=": 0.3}
+        - {method: vhgpo, metric: relay/retained, stat: mean, ">=": 0.5}   # another method's run
 
 Method names are plain names (letters, digits, ``_ . -``, not starting with ``.`` or ``-``).
 Paths (``base`` and fragments): absolute, or relative to the study file's folder if the file
@@ -53,7 +54,9 @@ seed keys), in ``STUDY_DIR/_calibration/<method>/seed<k>`` (like any run: resuma
 ``max``, ``last``) of the metric over the updates ``steps: [first, last]`` (1-based,
 inclusive; default every logged update) compared with the threshold. Update k is the
 ``step`` value k - 1 of metrics.csv (Lightning logs update k, and the validation after it, at
-step k - 1), one value per update. It prints a table (metric, value, threshold,
+step k - 1), one value per update. A criterion with its own ``method`` is measured on that
+method's calibration run (same seed and overrides; every calibrated method runs, in
+parallel). It prints a table (metric, value, threshold,
 pass/FAIL) and writes ``STUDY_DIR/regime.json`` (the values, pass/fail, the calibration's
 command, when checked). When a criterion fails, or names a metric the calibration did not log
 (the failure lists the logged names), no record run starts and the study exits 3 with one
@@ -185,10 +188,13 @@ class Criterion:
     stat: str = "mean"
     steps: tuple[int, int] | None = None
     """1-based update indices, inclusive; None: every logged update."""
+    method: str | None = None
+    """The method whose calibration run it is measured on; None: the regime's ``method``."""
 
     def describe(self) -> str:
         where = f" over updates {self.steps[0]}-{self.steps[1]}" if self.steps else ""
-        return f"{self.stat} {self.metric}{where} {self.op} {self.threshold:g}"
+        who = f"{self.method}: " if self.method else ""
+        return f"{who}{self.stat} {self.metric}{where} {self.op} {self.threshold:g}"
 
 
 @dataclass
@@ -199,6 +205,15 @@ class Regime:
     seed: int
     overrides: list[str]
     criteria: list[Criterion]
+
+    @property
+    def methods(self) -> list[str]:
+        """The calibrated methods: the regime's, then those criteria name, in order."""
+        out = [self.method]
+        for c in self.criteria:
+            if c.method is not None and c.method not in out:
+                out.append(c.method)
+        return out
 
 
 @dataclass
@@ -437,13 +452,18 @@ def _regime(
         key = f"regime.criteria[{i}]"
         if not isinstance(c, dict):
             raise _err(file, key, c, "must be a mapping {metric: NAME, '>=': NUMBER, ...}")
-        extra = sorted(set(c) - {"metric", "steps", "stat"} - set(COMPARISONS), key=str)
+        extra = sorted(set(c) - {"metric", "steps", "stat", "method"} - set(COMPARISONS), key=str)
         if extra:
             raise _err(
                 file,
                 f"{key}[{extra[0]!r}]",
                 c[extra[0]],
-                "is not a criterion key (metric, steps, stat, and one of >=, <=, >, <)",
+                "is not a criterion key (metric, steps, stat, method, and one of >=, <=, >, <)",
+            )
+        c_method = c.get("method")
+        if c_method is not None and c_method not in methods:
+            raise _err(
+                file, f"{key}.method", c_method, f"is not one of the methods {sorted(methods)}"
             )
         metric = c.get("metric")
         if not isinstance(metric, str) or not metric:
@@ -479,7 +499,12 @@ def _regime(
             )
         criteria.append(
             Criterion(
-                metric, op, float(c[op]), stat, None if steps is None else (steps[0], steps[1])
+                metric,
+                op,
+                float(c[op]),
+                stat,
+                None if steps is None else (steps[0], steps[1]),
+                None if c_method in (None, method) else c_method,
             )
         )
     return Regime(method, seed, overrides, criteria)
@@ -507,14 +532,26 @@ def plan(study: Study, out: Path) -> list[Run]:
     return runs
 
 
-def calibration_run(study: Study, out: Path) -> Run | None:
-    """The regime's calibration run: the method's run of the seed, plus the regime's
-    overrides, in ``STUDY_DIR/_calibration/<method>/seed<k>``; None without a regime."""
+def calibration_runs(study: Study, out: Path) -> list[Run]:
+    """The regime's calibration runs, one per calibrated method (``Regime.methods``): the
+    method's run of the seed, plus the regime's overrides, in
+    ``STUDY_DIR/_calibration/<method>/seed<k>``; none without a regime."""
     if study.regime is None:
-        return None
-    m, s = study.regime.method, study.regime.seed
-    d = out / CALIBRATION_DIR / m / f"seed{s}"
-    return Run(m, s, d, _fit_args(study, m, s, d, study.regime.overrides), calibration=True)
+        return []
+    s = study.regime.seed
+    runs = []
+    for m in study.regime.methods:
+        d = out / CALIBRATION_DIR / m / f"seed{s}"
+        runs.append(
+            Run(m, s, d, _fit_args(study, m, s, d, study.regime.overrides), calibration=True)
+        )
+    return runs
+
+
+def calibration_run(study: Study, out: Path) -> Run | None:
+    """The regime method's calibration run (the first of ``calibration_runs``)."""
+    runs = calibration_runs(study, out)
+    return runs[0] if runs else None
 
 
 def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -> list[Verdict]:
@@ -567,7 +604,7 @@ def regime_table(verdicts: list[Verdict]) -> str:
     head = ("metric", "stat", "updates", "value", "threshold", "result")
     rows = [
         (
-            v.criterion.metric,
+            (f"{v.criterion.method}: " if v.criterion.method else "") + v.criterion.metric,
             v.criterion.stat,
             "all" if v.criterion.steps is None else "{}-{}".format(*v.criterion.steps),
             "missing" if v.value is None else f"{v.value:.6g}",
@@ -955,17 +992,21 @@ def check_regime(
     stop otherwise; and what ``regime.json`` holds (empty when the calibration did not end)."""
     from salvage.compare import read_run
 
-    cal = calibration_run(study, out_dir)
-    assert cal is not None and study.regime is not None
-    if cal.done and _recorded_args(cal) not in (None, cal.args):
-        print(
-            f"warning: the calibration {cal.dir} is done but was run with other arguments than "
-            f"the study now gives; delete {cal.dir} to recalibrate",
-            file=sys.stderr,
-        )
-    if not cal.done:
-        print(f"study {study.name}: regime check: calibration -> {cal.dir}", flush=True)
-        outcomes = _run(study, [cal], backend, address, 1)
+    cals = calibration_runs(study, out_dir)
+    assert cals and study.regime is not None
+    cal = cals[0]
+    for c in cals:
+        if c.done and _recorded_args(c) not in (None, c.args):
+            print(
+                f"warning: the calibration {c.dir} is done but was run with other arguments "
+                f"than the study now gives; delete {c.dir} to recalibrate",
+                file=sys.stderr,
+            )
+    todo = [c for c in cals if not c.done]
+    if todo:
+        for c in todo:
+            print(f"study {study.name}: regime check: calibration -> {c.dir}", flush=True)
+        outcomes = _run(study, todo, backend, address, len(todo))
         if outcomes:
             rc = outcomes[0][1]
             print(
@@ -976,9 +1017,13 @@ def check_regime(
             if _STOP.is_set():
                 return _stop_code(), {}
             return (EXIT_STOPPED if rc in STOPPED else EXIT_FAILED), {}
-    verdicts = evaluate(study.regime.criteria, read_run(cal.dir))
+    series = {c.method: read_run(c.dir) for c in cals}
+    verdicts = [
+        evaluate([k], series[k.method or study.regime.method])[0] for k in study.regime.criteria
+    ]
     passed = all(v.passed for v in verdicts)
-    print(f"study {study.name}: regime check on {cal.label} ({cal.dir}):")
+    where = ", ".join(f"{c.label} ({c.dir})" for c in cals)
+    print(f"study {study.name}: regime check on {where}:")
     print(regime_table(verdicts), flush=True)
     record = {
         "passed": passed,
@@ -987,9 +1032,11 @@ def check_regime(
         "seed": cal.seed,
         "run_dir": str(cal.dir),
         "command": _recorded_command(cal) or cal.command(),
+        "runs": {c.method: str(c.dir) for c in cals},
         "checked": _now(),
         "criteria": [
             {
+                "method": v.criterion.method or study.regime.method,
                 "metric": v.criterion.metric,
                 "stat": v.criterion.stat,
                 "steps": None if v.criterion.steps is None else list(v.criterion.steps),

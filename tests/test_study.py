@@ -80,6 +80,10 @@ REGIME_STUDY = f"base: {TINY}\nbaseline: b\nseeds: [4, 5]\nmethods: {{a: [], b: 
     ("regime", "match"),
     [
         (
+            "{criteria: [{metric: m, method: zz, '>=': 0}]}",
+            r"regime.criteria\[0\].method='zz' is not one of the methods",
+        ),
+        (
             "{criteria: [{metric: m, stat: median, '>=': 0}]}",
             r"regime.criteria\[0\].stat='median' must be one of mean, min, max, last",
         ),
@@ -849,3 +853,27 @@ def test_regime_check_gates_the_record_runs(tmp_path, capsys):
     regime = json.loads((out / "regime.json").read_text())
     assert (regime["passed"], regime["skipped"]) == (False, True)
     assert json.loads((out / "study.json").read_text())["regime"]["skipped"] is True
+
+
+def test_a_criterion_can_name_another_methods_calibration_run(tmp_path):
+    from salvage.study import calibration_runs, evaluate
+
+    f = _write(
+        tmp_path / "s.yaml",
+        REGIME_STUDY + "regime:\n  method: b\n  criteria:\n"
+        "    - {metric: rollout/zero_signal_frac, '>=': 0.6}\n"
+        "    - {method: b, metric: rollout/success_rate, '>=': 0}\n"
+        "    - {method: a, metric: relay/retained, '>=': 0.5}\n",
+    )
+    study = load_study(f)
+    assert study.regime.methods == ["b", "a"]
+    assert study.regime.criteria[1].method is None  # the regime's own method
+    runs = calibration_runs(study, tmp_path / "out")
+    assert [r.dir.relative_to(tmp_path / "out").as_posix() for r in runs] == [
+        "_calibration/b/seed4",
+        "_calibration/a/seed4",
+    ]
+    crit = study.regime.criteria[-1]
+    assert crit.method == "a" and crit.describe() == "a: mean relay/retained >= 0.5"
+    (v,) = evaluate([crit], {"relay/retained": {0.0: 0.0, 1.0: 1.0, 2.0: 2.0}})
+    assert v.passed and v.value == 1.0
