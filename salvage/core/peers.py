@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable, Sequence
 
 from salvage.core.graft import BALANCE, complementary
+from salvage.errors import ConfigError
 
 SOURCE_RULES = ("compat", "successes", "random")
 
@@ -58,7 +59,7 @@ def choose_sources(
     candidates and ``rule == "compat"``). Receivers in index order, prompts in order.
     """
     if rule not in SOURCE_RULES:
-        raise ValueError(f"model.source_rule must be one of {SOURCE_RULES}, got {rule!r}")
+        raise ConfigError(f"model.source_rule must be one of {SOURCE_RULES}, got {rule!r}")
     n_models = len(k)
     if n_models < 2:
         raise ValueError(f"an exchange needs at least 2 models, got {n_models}")
@@ -98,7 +99,7 @@ def balance_pairs(
 ) -> dict[Pair, list[int]]:
     """Step 2: GRAFT's direction balancing on every unordered pair (i -> j drawn first)."""
     if balance not in BALANCE:
-        raise ValueError(f"model.balance must be one of {BALANCE}, got {balance!r}")
+        raise ConfigError(f"model.balance must be one of {BALANCE}, got {balance!r}")
     out = {p: list(proposed.get(p, [])) for p in pair_order(n_models)}
     if balance != "min_ratio":
         return out

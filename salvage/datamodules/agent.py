@@ -30,6 +30,7 @@ from salvage.core.seeds import EVAL, TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
 from salvage.envs import env_class
 from salvage.envs.pool import EnvPool
+from salvage.errors import ConfigError
 from salvage.rollout.agent import AgentRunner, LMPolicy, Start
 from salvage.rollout.config import EngineConfig
 from salvage.types import Group, RolloutBatch, RolloutEngine, RolloutStats
@@ -65,15 +66,15 @@ class EnvSpec:
     def __post_init__(self) -> None:
         env_class(self.name)  # unknown names fail at config time, naming the key
         if self.num_workers < 0:
-            raise ValueError(f"data.env.num_workers must be >= 0, got {self.num_workers}")
+            raise ConfigError(f"data.env.num_workers must be >= 0, got {self.num_workers}")
         if self.backend not in ("process", "ray"):
-            raise ValueError(f"data.env.backend must be 'process' or 'ray', got {self.backend!r}")
+            raise ConfigError(f"data.env.backend must be 'process' or 'ray', got {self.backend!r}")
         if self.backend == "ray" and self.num_workers < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"data.env.num_workers must be >= 1 with backend=ray, got {self.num_workers}"
             )
         if self.step_timeout_s <= 0:
-            raise ValueError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
+            raise ConfigError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
 
 
 class AgentDataModule(RolloutDataModule):
@@ -142,11 +143,11 @@ class AgentDataModule(RolloutDataModule):
             allow_overlap=allow_overlap,
         )
         if max_turns < 1:
-            raise ValueError(f"data.max_turns (H) must be >= 1, got {max_turns}")
+            raise ConfigError(f"data.max_turns (H) must be >= 1, got {max_turns}")
         if val_samples < 0:
-            raise ValueError(f"data.val_samples must be >= 0, got {val_samples}")
+            raise ConfigError(f"data.val_samples must be >= 0, got {val_samples}")
         if val_samples and not val_sample_temperature > 0:
-            raise ValueError(
+            raise ConfigError(
                 f"data.val_sample_temperature must be > 0 with val_samples, got "
                 f"{val_sample_temperature}"
             )

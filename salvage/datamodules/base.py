@@ -63,13 +63,13 @@ class StepBatches:
         self.world = max(1, trainer.world_size)
         self.rank = trainer.global_rank
         if batch_size < self.world:
-            raise ValueError(
+            raise ConfigError(
                 f"data.{key}={batch_size} is the global batch of one update, split over the "
                 f"{self.world} ranks: it must be at least the number of ranks"
             )
         self.per_epoch = n // batch_size
         if self.per_epoch < 1:
-            raise ValueError(f"data.{key}={batch_size} exceeds the {n} training tasks")
+            raise ConfigError(f"data.{key}={batch_size} exceeds the {n} training tasks")
         self.start, self.stop = rank_share(batch_size, self.rank, self.world)
 
     def __len__(self) -> int:
@@ -137,17 +137,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.heldout_metrics: dict[str, float] = {}
         self.tasks_key = tasks_key
         if tasks_per_step < 1:
-            raise ValueError(f"data.{tasks_key} must be >= 1, got {tasks_per_step}")
+            raise ConfigError(f"data.{tasks_key} must be >= 1, got {tasks_per_step}")
         if group_size < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"data.group_size must be >= 2 (a group needs contrast), got {group_size}"
             )
         if advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
+            raise ConfigError(
                 f"data.advantage must be one of {ADVANTAGE_ESTIMATORS}, got {advantage!r}"
             )
         if val_batch_size < 1:
-            raise ValueError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
+            raise ConfigError(f"data.val_batch_size must be >= 1, got {val_batch_size}")
         self.group_size = group_size
         self.advantage = advantage
         self.adv_eps = adv_eps
@@ -178,6 +178,13 @@ class RolloutDataModule(L.LightningDataModule):
                 tasks = self.load_split(split)
                 if tasks is not None:
                     self.tasks[split] = tasks
+        if stage == "fit" and "train" in self.tasks:  # before any weights load
+            n = len(self.tasks["train"])
+            if self.tasks_per_step > n:
+                raise ConfigError(
+                    f"data.{self.tasks_key}={self.tasks_per_step} exceeds the {n} training "
+                    "tasks (data.train); lower it or give more tasks"
+                )
         if stage == "fit" and not self.heldout_overlap:
             self.check_heldout()
 

@@ -94,12 +94,12 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
             allow_overlap=allow_overlap,
         )
         if val_samples < 1:
-            raise ValueError(f"data.val_samples must be >= 1, got {val_samples}")
+            raise ConfigError(f"data.val_samples must be >= 1, got {val_samples}")
         if test_repeats < 1:
-            raise ValueError(f"data.test_repeats must be >= 1, got {test_repeats}")
+            raise ConfigError(f"data.test_repeats must be >= 1, got {test_repeats}")
         self.test_repeats = test_repeats
         if max_prompt_tokens < 8:
-            raise ValueError(f"data.max_prompt_tokens must be >= 8, got {max_prompt_tokens}")
+            raise ConfigError(f"data.max_prompt_tokens must be >= 8, got {max_prompt_tokens}")
         if isinstance(train, list) and not train:
             raise ConfigError("data.train: an empty list of sources (give at least one)")
         self.train_data = train or MathData()

@@ -61,6 +61,7 @@ from salvage.distributed import (
     run_file,
     to_device,
 )
+from salvage.errors import ConfigError
 from salvage.lm import (
     DEFAULT_LOGPROB_CHUNK,
     response_logprobs,
@@ -193,13 +194,13 @@ class GRAFTModule(L.LightningModule):
     ) -> None:
         super().__init__()
         if balance not in BALANCE:
-            raise ValueError(f"model.balance must be one of {BALANCE}, got {balance!r}")
+            raise ConfigError(f"model.balance must be one of {BALANCE}, got {balance!r}")
         if order not in ORDERS:
-            raise ValueError(f"model.order must be one of {ORDERS}, got {order!r}")
+            raise ConfigError(f"model.order must be one of {ORDERS}, got {order!r}")
         if not 0 < delta <= 1:
-            raise ValueError(f"model.delta={delta!r} must be in (0, 1]")
+            raise ConfigError(f"model.delta={delta!r} must be in (0, 1]")
         if rho <= 0:
-            raise ValueError(f"model.rho={rho!r} must be > 0")
+            raise ConfigError(f"model.rho={rho!r} must be > 0")
         for key, val, allowed in (
             ("selection", selection, ("complementary", "random")),
             ("peer_filter", peer_filter, ("all", "success")),
@@ -210,17 +211,17 @@ class GRAFTModule(L.LightningModule):
             ("mode", mode, ("graft", "sgt", "hacpo")),
         ):
             if val not in allowed:
-                raise ValueError(f"model.{key} must be one of {allowed}, got {val!r}")
+                raise ConfigError(f"model.{key} must be one of {allowed}, got {val!r}")
         for key, bound in (
             ("hacpo_clip_low", hacpo_clip_low),
             ("hacpo_clip_high", hacpo_clip_high),
         ):
             if not 0 <= bound < 1:
-                raise ValueError(f"model.{key}={bound!r} must be in [0, 1)")
+                raise ConfigError(f"model.{key}={bound!r} must be in [0, 1)")
         if hacpo_peer_high is not None and hacpo_peer_high <= 0:
-            raise ValueError(f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)")
+            raise ConfigError(f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)")
         if restrict_to_selection and mode == "graft":
-            raise ValueError(
+            raise ConfigError(
                 "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
             )
         self.automatic_optimization = False

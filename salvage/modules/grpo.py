@@ -52,6 +52,7 @@ from salvage.distributed import (
     to_device,
     world,
 )
+from salvage.errors import ConfigError
 from salvage.lm import (
     DEFAULT_LOGPROB_CHUNK,
     bump_weights_version,
@@ -969,4 +970,4 @@ def _ragged_mask(lengths: torch.Tensor) -> torch.Tensor:
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
-        raise ValueError(f"{key}={value!r} {why}")
+        raise ConfigError(f"{key}={value!r} {why}")

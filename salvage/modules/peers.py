@@ -34,6 +34,7 @@ from salvage.core.peers import (
 )
 from salvage.core.seeds import GRAFT_EXCHANGE, step_seed
 from salvage.distributed import gathered
+from salvage.errors import ConfigError
 from salvage.models import PolicySpec
 from salvage.modules.graft import NAMES, GRAFTModule, peer_turns
 from salvage.modules.grpo import GRPOModule
@@ -82,25 +83,29 @@ class PeerGroupModule(GRAFTModule):
     ) -> None:
         specs = list(policies) if policies is not None else default_peers()
         if not 2 <= len(specs) <= len(NAMES):
-            raise ValueError(f"model.policies must list 2 to {len(NAMES)} models, got {len(specs)}")
+            raise ConfigError(
+                f"model.policies must list 2 to {len(NAMES)} models, got {len(specs)}"
+            )
         if source_rule not in SOURCE_RULES:
-            raise ValueError(
+            raise ConfigError(
                 f"model.source_rule must be one of {SOURCE_RULES}, got {source_rule!r}"
             )
         for key in ("policy_a", "policy_b", "lr_b"):
             if key in kwargs:
-                raise ValueError(
+                raise ConfigError(
                     f"model.{key}: PeerGroupModule takes model.policies (and model.lrs) instead"
                 )
         for key, allowed in _TWO_MODEL_ONLY.items():
             if key in kwargs and kwargs[key] != allowed:
-                raise ValueError(
+                raise ConfigError(
                     f"model.{key}={kwargs[key]!r} is a two-model baseline of GRAFTModule; "
                     f"PeerGroupModule supports {key}={allowed!r} only"
                 )
         rates = list(lrs) if lrs is not None else [lr] * len(specs)
         if len(rates) != len(specs):
-            raise ValueError(f"model.lrs has {len(rates)} learning rates for {len(specs)} policies")
+            raise ConfigError(
+                f"model.lrs has {len(rates)} learning rates for {len(specs)} policies"
+            )
         super().__init__(policy_a=specs[0], policy_b=specs[1], lr=rates[0], lr_b=rates[1], **kwargs)
         self._names = NAMES[: len(specs)]
         for name, spec, rate in zip(self._names[2:], specs[2:], rates[2:], strict=True):

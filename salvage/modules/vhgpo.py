@@ -24,6 +24,7 @@ import torch
 
 from salvage.core.losses import completion_loss, pair_loss
 from salvage.distributed import gathered
+from salvage.errors import ConfigError
 from salvage.lm import target_scores
 from salvage.modules.grpo import TRAIN_METRICS, Auxiliary, GRPOModule
 from salvage.types import RolloutBatch, SeqTarget
@@ -70,9 +71,9 @@ class VHGPOModule(GRPOModule):
             ("lambda_resume", lambda_resume),
         ):
             if val < 0:
-                raise ValueError(f"model.{key}={val!r} must be >= 0")
+                raise ConfigError(f"model.{key}={val!r} must be >= 0")
         if beta <= 0:
-            raise ValueError(f"model.beta={beta!r} must be > 0")
+            raise ConfigError(f"model.beta={beta!r} must be > 0")
         super().__init__(clip_eps_high=clip_eps_high, loss_agg=loss_agg, **kwargs)
         self.save_hyperparameters(
             {

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from salvage.errors import ConfigError
 from salvage.types import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -88,42 +89,42 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ValueError(f"engine.backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise ConfigError(f"engine.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.temperature < 0:
-            raise ValueError(f"engine.temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"engine.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"engine.top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"engine.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"engine.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.generate_timeout_s is not None and self.generate_timeout_s <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"engine.generate_timeout_s must be > 0 (or null: no limit), got "
                 f"{self.generate_timeout_s}"
             )
         if self.batch_size < 1 or self.logprob_batch_size < 1:
-            raise ValueError("engine.batch_size and engine.logprob_batch_size must be >= 1")
+            raise ConfigError("engine.batch_size and engine.logprob_batch_size must be >= 1")
         if self.hf_decode_loop not in ("own", "generate"):
-            raise ValueError(
+            raise ConfigError(
                 f"engine.hf_decode_loop must be 'own' or 'generate', got {self.hf_decode_loop!r}"
             )
         if self.hf_compile_max_rows < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"engine.hf_compile_max_rows must be >= 1, got {self.hf_compile_max_rows}"
             )
         if self.hf_compile_decode and self.hf_decode_loop != "own":
-            raise ValueError("engine.hf_compile_decode=true needs engine.hf_decode_loop='own'")
+            raise ConfigError("engine.hf_compile_decode=true needs engine.hf_decode_loop='own'")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(
+            raise ConfigError(
                 f"engine.vllm_gpu_memory_utilization must be in (0, 1], got "
                 f"{self.vllm_gpu_memory_utilization}"
             )
         if self.vllm_cpu_kvcache_gb is not None and self.vllm_cpu_kvcache_gb < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"engine.vllm_cpu_kvcache_gb must be a whole number of GiB >= 1, got "
                 f"{self.vllm_cpu_kvcache_gb}"
             )
         if self.vllm_sleep_level not in (0, 1, 2):
-            raise ValueError(
+            raise ConfigError(
                 f"engine.vllm_sleep_level must be 0, 1 or 2, got {self.vllm_sleep_level}"
             )
         if self.backend == "vllm":
@@ -144,7 +145,7 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine ``cfg.backend`` names, sampling from ``model`` (``frozen``: a teacher, never re-synced)."""
     if cfg.backend not in ENGINE_CLASSES:
-        raise ValueError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
+        raise ConfigError(f"engine.backend must be one of {BACKENDS}, got {cfg.backend!r}")
     import importlib
 
     mod, name = ENGINE_CLASSES[cfg.backend].split(":")

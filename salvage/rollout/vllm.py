@@ -94,6 +94,7 @@ from typing import Any
 
 import torch
 
+from salvage.errors import ConfigError
 from salvage.lm import response_logprobs, weights_version
 from salvage.rollout.config import (
     DEFAULT_GENERATE_TIMEOUT_S,
@@ -564,7 +565,7 @@ class VLLMEngine:
         if not ok:
             raise RuntimeError(f"engine.backend=vllm: {why}")
         if sleep_level not in (0, 1, 2):
-            raise ValueError(f"engine.vllm_sleep_level must be 0, 1 or 2, got {sleep_level}")
+            raise ConfigError(f"engine.vllm_sleep_level must be 0, 1 or 2, got {sleep_level}")
         check_vllm_sampling(temperature, top_p, recompute_logprobs)
         self.model = model
         self.tokenizer = tokenizer
