@@ -4,7 +4,14 @@
   then renamed over it. The rename is atomic on every POSIX filesystem, so the previous
   checkpoint stays complete until the new one is; nothing is staged in ``$TMPDIR`` (Lightning
   stages there and moves, which across filesystems is a copy that a kill can cut short).
-  Partial files left by a killed run are removed when the next run sets up.
+  A partial file is removed when the next run sets up only if its writer (the PID in its
+  name, ``.NAME.partial-PID``) is this process or no longer alive: a run never deletes the
+  in-flight write of another run sharing its run dir. Checked with ``os.kill(pid, 0)``,
+  which assumes the writer ran on this host (a run dir shared by several hosts keeps the
+  other hosts' partial files, which are only disk space). A failed write (disk full) removes
+  its partial file and says so, naming the path; the previous checkpoint is intact.
+- ``read_checkpoint``: a checkpoint file read with ``weights_only=True``; an empty,
+  truncated, corrupt or not-weights-only file is a one-line ``ConfigError`` naming it.
 - Run layout: every ``salvage fit`` invocation is one ``RUN/version_N`` (the CSV logger's
   version) and keeps its checkpoints in ``RUN/version_N/checkpoints/``; ``--ckpt_path last``
   means the newest ``last.ckpt`` of any version of RUN (``find_last_checkpoint``), so a
@@ -17,8 +24,10 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import pickle
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +36,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from salvage.errors import ConfigError
 
 PARTIAL = ".partial-"
 _CHUNK = 1 << 20
@@ -62,17 +73,26 @@ def write_atomic_bytes(path: str | Path, data: bytes | memoryview) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}{PARTIAL}{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, memoryview(data))
-            os.fsync(fd)
+            try:
+                _write_all(fd, memoryview(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
         finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+            if tmp.exists():
+                tmp.unlink()
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        kept = "the previous checkpoint is intact" if path.exists() else "no earlier checkpoint"
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {path}: {e.strerror or e} ({len(data)} bytes; {kept}, "
+            "the partial file is removed); free space and resume with --ckpt_path last"
+        ) from e
     try:  # make the rename itself durable
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -83,16 +103,76 @@ def write_atomic_bytes(path: str | Path, data: bytes | memoryview) -> None:
         pass
 
 
+class CheckpointWriteError(ConfigError, OSError):
+    """A checkpoint that could not be written (disk full): names the path; nothing is torn."""
+
+
+def writer_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) is still running."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def remove_partials(directory: str | Path) -> list[Path]:
-    """Delete the partial checkpoint files a killed run left in ``directory``."""
+    """Delete the partial checkpoint files in ``directory`` that this process wrote or whose
+    writer is gone (``.NAME.partial-PID``, PID checked on this host); another live run's
+    in-flight write stays."""
     d = Path(directory)
     gone = []
     if d.is_dir():
         for p in d.iterdir():
-            if p.name.startswith(".") and PARTIAL in p.name and p.is_file():
-                p.unlink(missing_ok=True)
-                gone.append(p)
+            if not (p.name.startswith(".") and PARTIAL in p.name and p.is_file()):
+                continue
+            tail = p.name.rsplit(PARTIAL, 1)[1]
+            pid = int(tail) if tail.isdigit() else -1
+            if pid != os.getpid() and writer_alive(pid):
+                continue
+            p.unlink(missing_ok=True)
+            gone.append(p)
     return gone
+
+
+def read_checkpoint(path: str | Path, what: str = "--ckpt_path") -> dict[str, Any]:
+    """A checkpoint file (or a distributed checkpoint's ``meta.pt``) loaded with
+    ``weights_only=True`` (tensors memory-mapped, not read); a file that cannot be is one
+    ``ConfigError`` line naming ``what`` and the path."""
+    ckpt = Path(path)
+    file = ckpt / "meta.pt" if ckpt.is_dir() else ckpt
+    if not file.exists():
+        raise ConfigError(f"{what} {ckpt}: no such checkpoint")
+    if file.stat().st_size == 0:
+        raise ConfigError(
+            f"{what} {file}: the checkpoint is empty (0 bytes: a copy or write cut short); "
+            "use another checkpoint"
+        )
+    try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=file is ckpt)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else "UnpicklingError"
+        if "weights only" in str(e).lower() or "weights_only" in str(e):
+            raise ConfigError(
+                f"{what} {file}: the checkpoint holds objects other than tensors and plain "
+                "data, so it cannot be loaded with weights_only=True (salvage never runs "
+                "code from a checkpoint)"
+            ) from e
+        raise ConfigError(f"{what} {file}: not a readable checkpoint ({first})") from e
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{what} {file}: not a readable checkpoint (truncated or corrupt: {first})"
+        ) from e
+    if not isinstance(state, dict):
+        raise ConfigError(
+            f"{what} {file}: holds a {type(state).__name__}, not a Lightning checkpoint (a dict)"
+        )
+    return state
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -109,6 +189,9 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
 
 _VERSION = re.compile(r"^version_(\d+)$")
+STAGE_FILE = "stage.txt"
+"""``RUN/version_N/stage.txt``: the stage that wrote the version (``fit``, ``validate``,
+``test``), so readers of a run's fit history leave evaluations out."""
 
 
 def run_versions(root: str | Path) -> list[Path]:
@@ -181,6 +264,10 @@ class RunConfigRecorder(L.Callback):
         if trainer.is_global_zero:
             for v in run_versions(root):
                 remove_partials(v / "checkpoints")
+            log_dir = trainer.log_dir if trainer.loggers else None
+            if log_dir and _VERSION.match(Path(log_dir).name):  # what wrote this version
+                Path(log_dir).mkdir(parents=True, exist_ok=True)
+                (Path(log_dir) / STAGE_FILE).write_text(f"{stage}\n", encoding="utf-8")
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]

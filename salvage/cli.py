@@ -38,12 +38,11 @@ from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
 import yaml  # noqa: E402
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger  # noqa: E402
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
@@ -58,6 +57,7 @@ from salvage.checkpointing import (  # noqa: E402
     SafeCheckpointIO,
     config_diff,
     find_last_checkpoint,
+    read_checkpoint,
 )
 from salvage.errors import ConfigError, SalvageError  # noqa: E402
 from salvage.loggers import SafeCSVLogger, WandbLogger  # noqa: E402
@@ -76,12 +76,9 @@ class ResumeError(ConfigError):
 
 
 def _stored_config(ckpt: Path) -> str | None:
-    """The resolved config YAML a checkpoint was written under (``salvage_config``), if any."""
-    path = ckpt / "meta.pt" if ckpt.is_dir() else ckpt
-    if not path.exists():
-        return None
-    state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=not ckpt.is_dir())
-    return state.get("salvage_config")
+    """The resolved config YAML a checkpoint was written under (``salvage_config``), if any;
+    a checkpoint that cannot be read is a ``ConfigError`` naming it (``read_checkpoint``)."""
+    return read_checkpoint(ckpt).get("salvage_config")
 
 
 def print_memory(cfg: dict[str, Any]) -> None:
@@ -93,8 +90,21 @@ def print_memory(cfg: dict[str, Any]) -> None:
     print(format_estimate(plan, estimate(plan)))
 
 
+class SalvageArgumentParser(LightningArgumentParser):
+    """A parse or instantiation error caused by a ``SalvageError`` (a config value a salvage
+    class refused) is raised as that error, so ``main`` prints its one line, not
+    jsonargparse's usage and dump of every union member."""
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        err = user_error(ex) if ex is not None else None
+        if err is not None:
+            raise err
+        return super().error(message, ex)
+
+
 class SalvageCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", SalvageArgumentParser)
         kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault(
@@ -212,9 +222,9 @@ class SalvageCLI(LightningCLI):
         path = Path(cfg.ckpt_path)
         if not path.exists():
             raise ResumeError(f"--ckpt_path {path}: no such checkpoint")
+        stored = _stored_config(path)  # a checkpoint that cannot be read stops here
         if sub != "fit":
             return  # evaluating a checkpoint under another config is normal; weights must fit
-        stored = _stored_config(path)
         if stored is None:
             print(
                 f"salvage: warning: {path} holds no run config (written by an older salvage); "

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from salvage.checkpointing import find_last_checkpoint
+from salvage.checkpointing import find_last_checkpoint, read_checkpoint
 from salvage.models import PolicySpec, load_model, load_tokenizer
 
 
@@ -35,7 +35,7 @@ def load_checkpoint(ckpt: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not path.is_dir():
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        return read_checkpoint(path, "checkpoint")  # one line for a torn or unsafe file
     if not (path / ".metadata").exists():
         raise ValueError(f"{path} is a directory but not a distributed checkpoint (no .metadata)")
     import tempfile
@@ -48,7 +48,7 @@ def load_checkpoint(ckpt: str | Path) -> dict[str, Any]:
         state = torch.load(str(full), map_location="cpu", weights_only=True)
     meta = path / "meta.pt"  # Lightning's non-tensor state (hyper-parameters, loops, ...)
     if meta.exists():
-        state.update(torch.load(str(meta), map_location="cpu", weights_only=True))
+        state.update(read_checkpoint(path, "checkpoint"))
     return state
 
 
