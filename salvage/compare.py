@@ -56,13 +56,15 @@ from salvage.core.stats import (
     paired_sd,
     seeds_needed,
 )
+from salvage.errors import ConfigError, DataError
 from salvage.report import (
     admission_by_direction,
     exchange_delta,
     exchange_rows,
-    load_metrics,
+    load_run,
     plot_log_s,
     ranked_jsonl,
+    run_lineage,
 )
 
 CURVES = (
@@ -105,13 +107,9 @@ class RunData:
 
 
 def _versions(run_dir: Path) -> list[Path]:
-    """The run's ``version_*`` folders with metrics, in version order."""
-    found = sorted(
-        (int(m.group(1)), p)
-        for p in run_dir.iterdir()
-        if p.is_dir() and (m := _VERSION.match(p.name)) and (p / "metrics.csv").is_file()
-    )
-    return [p for _, p in found]
+    """The run's fit history (``salvage.report.run_lineage``: its versions with metrics,
+    oldest first, found relative to the run dir; evaluations left out)."""
+    return run_lineage(run_dir)
 
 
 def read_exchange(run_dir: Path) -> list[dict[str, Any]]:
@@ -128,38 +126,41 @@ def read_exchange(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
-    """Metric -> {step: value} from every ``version_*/metrics.csv``, later versions winning."""
-    out: dict[str, dict[float, float]] = {}
-    for v in _versions(run_dir):
-        for key, pts in load_metrics(v / "metrics.csv").items():
-            out.setdefault(key, {}).update(dict(pts))
-    return out
+    """Metric -> {step: value} over the run's whole history (``salvage.report.load_run``:
+    every fit version, a later version winning at a step it redid)."""
+    series, _, _ = load_run(run_dir)
+    return {k: dict(pts) for k, pts in series.items()}
 
 
 def _is_run(p: Path) -> bool:
-    return p.is_dir() and any((v / "metrics.csv").is_file() for v in p.glob("version_*"))
+    return p.is_dir() and bool(run_lineage(p))
+
+
+def _runs_under(p: Path) -> list[Path]:
+    """``p`` if it is a run, and every run below it (method dirs, study dirs, and runs
+    beside them at any depth), never looking inside ``version_*`` folders."""
+    found: list[Path] = []
+    if _is_run(p):
+        found.append(p)
+    for child in sorted(c for c in p.iterdir() if c.is_dir() and not _VERSION.match(c.name)):
+        found += _runs_under(child)
+    return found
 
 
 def collect(paths: list[Path]) -> list[RunData]:
-    """Runs under the given study dirs / run dirs (method = parent folder name)."""
+    """Runs under the given study dirs / run dirs (method = parent folder name): every run
+    at any depth below each path, the path itself included."""
     found: list[Path] = []
     for p in paths:
         if not p.is_dir():
-            raise ValueError(f"{str(p)!r} is not a directory")
-        if _is_run(p):
-            found.append(p)
-            continue
-        # a method dir (its children are runs), else a study dir (grandchildren)
-        runs = sorted(r for r in p.iterdir() if _is_run(r))
-        runs = runs or sorted(
-            r for m in p.iterdir() if m.is_dir() for r in m.iterdir() if _is_run(r)
-        )
+            raise ConfigError(f"{str(p)!r} is not a directory")
+        runs = _runs_under(p)
         if not runs:
-            raise ValueError(
+            raise DataError(
                 f"{str(p)!r} holds no run dirs (RUN/version_*/metrics.csv, "
                 "METHOD/RUN/... or STUDY/METHOD/RUN/...)"
             )
-        found += runs
+        found += [r for r in runs if r not in found]
     out: list[RunData] = []
     pos: dict[str, int] = {}
     for r in found:

@@ -2,9 +2,11 @@
 
 GRAFT's GRPO baselines are separate single-model runs (``configs/grpo/graft_*.yaml``);
 obtaining both models costs the sum of each run's GPU-hours through its own best
-``val/aggregate`` checkpoint (SPEC §3.3, §3.4). This reads each run's newest
-``metrics.csv`` (``cost/gpu_hours`` and the validation score) and prints one row per run
-and the sum. A GRAFT run is one joint run (its cost is the later of its two checkpoints,
+``val/aggregate`` checkpoint (SPEC §3.3, §3.4). This reads each run's whole fit history
+(``salvage.report.load_run``: every ``version_N/metrics.csv`` of its lineage, found relative
+to the run dir, a resume's rows replacing the ones it redid, ``salvage test`` versions left
+out) for ``cost/gpu_hours`` and the validation score, and prints one row per run and the
+sum. A negative or non-finite cost is refused, naming the run and the step. A GRAFT run is one joint run (its cost is the later of its two checkpoints,
 printed by ``salvage test``) and is refused here.
 """
 
@@ -12,30 +14,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from salvage.core.cost import SelectedCheckpoint, best_checkpoint_cost, separate_runs_cost
-from salvage.report import _newest, load_metrics
+from salvage.errors import ConfigError, DataError
+from salvage.report import load_run
 
 
 def run_checkpoint_cost(run_dir: str | Path, key: str = "val/aggregate") -> SelectedCheckpoint:
     """The best ``key`` checkpoint of one run and the GPU-hours through it."""
     run = Path(run_dir)
-    path = _newest(run, "metrics.csv")
-    if path is None:
-        raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
-    series = load_metrics(path)
+    series, _, files = load_run(run)
+    where = ", ".join(str(f.relative_to(run)) if run in f.parents else str(f) for f in files)
     if key not in series:
         joint = sorted(k for k in series if k.endswith(f"/{key}"))
         if joint:
-            raise ValueError(
+            raise ConfigError(
                 f"{run}: logs {joint}, a joint two-model run: its cost is the later of its "
                 "checkpoints (salvage test prints it), not a sum of separate runs"
             )
-        raise ValueError(f"{run}: {path} has no {key!r} (did the run validate?)")
+        raise DataError(f"{run}: {where} has no {key!r} (did the run validate?)")
     if "cost/gpu_hours" not in series:
-        raise ValueError(f"{run}: {path} has no 'cost/gpu_hours' (CostTracker off?)")
+        raise DataError(f"{run}: {where} has no 'cost/gpu_hours' (CostTracker off?)")
+    for step, hours in series["cost/gpu_hours"]:
+        if hours < 0:
+            raise DataError(
+                f"{run}: cost/gpu_hours is negative ({hours:g}) at step {step:g}; a cost "
+                "never is (a hand-edited or corrupt metrics.csv?)"
+            )
     return best_checkpoint_cost(series[key], series["cost/gpu_hours"])
 
 
@@ -61,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out = joint_cost(args.run_dirs, args.key)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"salvage joint-cost: {e}") from None
+        print(f"salvage joint-cost: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.json:
         print(json.dumps(out, indent=2))
         return

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from salvage.core.peers import transfer_matrix
+from salvage.errors import ConfigError, DataError, MissingFileError
 
 
 def _newest(run_dir: Path, name: str) -> Path | None:
@@ -35,30 +36,54 @@ def _newest(run_dir: Path, name: str) -> Path | None:
 
 
 def load_metrics(path: Path) -> dict[str, list[tuple[float, float]]]:
-    """Column -> [(step, value)] for every non-empty cell."""
+    """Column -> [(step, value)] for every non-empty cell; a torn last row (a crash mid-write)
+    is read as far as it goes. A file that is not CSV text is a ``DataError`` naming it."""
     series: dict[str, list[tuple[float, float]]] = {}
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            step = row.get("step")
-            if step in (None, ""):
+    for row in _csv_rows(path):
+        step = row.get("step")
+        if step in (None, ""):
+            continue
+        try:
+            at = float(step)
+        except ValueError:
+            continue  # a torn row
+        for k, v in row.items():
+            if k in ("step", "epoch") or v in (None, "") or not isinstance(v, str):
                 continue
-            for k, v in row.items():
-                if k in ("step", "epoch") or v in (None, ""):
-                    continue
-                try:
-                    val = float(v)
-                except ValueError:
-                    continue
-                if math.isfinite(val):
-                    series.setdefault(k, []).append((float(step), val))
+            try:
+                val = float(v)
+            except ValueError:
+                continue
+            if math.isfinite(val):
+                series.setdefault(k, []).append((at, val))
     return series
+
+
+def _csv_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics CSV; ``DataError`` naming the file when it cannot be read."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"metrics file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+            f"at offset {e.start})"
+        ) from None
+    except csv.Error as e:
+        raise DataError(f"metrics file {str(path)!r} is not readable CSV: {e}") from None
+    except OSError as e:
+        raise DataError(f"metrics file {str(path)!r} cannot be read: {e.strerror or e}") from None
 
 
 def _jsonl(path: Path | None) -> list[dict[str, Any]]:
     if path is None:
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"record file {str(path)!r} is not UTF-8 text") from None
+    for line in text.splitlines():
         line = line.strip()
         if line:
             try:
@@ -69,36 +94,129 @@ def _jsonl(path: Path | None) -> list[dict[str, Any]]:
 
 
 def _train_steps(path: Path) -> list[float]:
-    with path.open(newline="") as f:
-        return [
-            float(r["step"]) for r in csv.DictReader(f) if r.get("step") and r.get("perf/step_s")
-        ]
+    out = []
+    for r in _csv_rows(path):
+        try:
+            if r.get("step") and r.get("perf/step_s"):
+                out.append(float(r["step"]))
+        except (TypeError, ValueError):
+            continue  # a torn row
+    return out
+
+
+def is_evaluation(version: Path) -> bool:
+    """Whether ``RUN/version_N`` was written by ``salvage validate`` / ``salvage test`` (its
+    ``stage.txt``), not by a fit; a version without one (older salvage) counts as an
+    evaluation when it logged only ``eval/`` or ``test/`` metrics."""
+    from salvage.checkpointing import STAGE_FILE
+
+    stage = version / STAGE_FILE
+    if stage.is_file():
+        return stage.read_text(encoding="utf-8").strip() != "fit"
+    keys = {k for k in _header(version / "metrics.csv") if k not in ("step", "epoch")}
+    return bool(keys) and all(k.startswith(("eval/", "test/")) for k in keys)
+
+
+def _header(path: Path) -> list[str]:
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            return next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def _resumed_from(run: Path, version: Path, by_name: dict[str, Path]) -> Path | None | bool:
+    """The version of ``run`` that ``version`` resumed from (``ckpt_path`` in its
+    ``config.yaml``), found relative to the run dir, so a copied or moved run keeps its
+    history: a checkpoint under the run dir it was written in (``trainer.default_root_dir``
+    of the same config) is looked up at the same relative place in ``run``. None: a fresh
+    start or another run's checkpoint; False: no ``config.yaml`` to tell."""
+    import os
+
+    import yaml
+
+    cfg_file = version / "config.yaml"
+    if not cfg_file.exists():
+        return False
+    try:
+        cfg = yaml.safe_load(cfg_file.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise DataError(f"{cfg_file}: not a readable run config ({type(e).__name__})") from None
+    ckpt = cfg.get("ckpt_path") if isinstance(cfg, dict) else None
+    if not ckpt:
+        return None
+    root = ((cfg.get("trainer") or {}) if isinstance(cfg, dict) else {}).get("default_root_dir")
+    rel: Path | None = None
+    if root:
+        c, r = str(ckpt), str(root)
+        if os.path.isabs(c) != os.path.isabs(r):
+            c, r = os.path.abspath(c), os.path.abspath(r)
+        c, r = os.path.normpath(c), os.path.normpath(r)
+        if c.startswith(r.rstrip(os.sep) + os.sep):
+            rel = Path(os.path.relpath(c, r))
+    if rel is None:  # no recorded root: the checkpoint as it lies now
+        resolved = Path(ckpt).resolve()
+        if run.resolve() in resolved.parents:
+            rel = resolved.relative_to(run.resolve())
+    if rel is None or not rel.parts:
+        return None
+    return by_name.get(rel.parts[0])  # RUN/version_M/checkpoints/last.ckpt -> version_M
 
 
 def _lineage(run: Path, versions: list[Path], version: int | None) -> list[Path]:
     """The versions of one run, oldest first: from the chosen (default newest) version back
-    through the checkpoint each one resumed from (``ckpt_path`` in its ``config.yaml``).
-    A second run started in the same RUN dir is another lineage and is left out."""
-    import yaml
-
+    through the checkpoint each one resumed from (``_resumed_from``). A second run started
+    in the same RUN dir is another lineage and is left out."""
     by_name = {v.name: v for v in versions}
     cur = by_name.get(f"version_{version}") if version is not None else versions[-1]
     if cur is None:
-        raise FileNotFoundError(f"{run} has no version_{version} with metrics")
+        raise DataError(f"{run} has no fit version_{version} with metrics")
     chain = [cur]
     while True:
-        cfg_file = cur / "config.yaml"
-        if not cfg_file.exists():  # no record of where it resumed from: take the dir order
-            return [v for v in versions if int(v.name.split("_")[1]) <= int(cur.name.split("_")[1])]
-        ckpt = (yaml.safe_load(cfg_file.read_text(encoding="utf-8")) or {}).get("ckpt_path")
-        if not ckpt:
-            return chain[::-1]
-        parent = Path(ckpt).resolve().parent.parent  # RUN/version_M/checkpoints/last.ckpt
-        prev = by_name.get(parent.name) if parent.parent == run.resolve() else None
+        prev = _resumed_from(run, cur, by_name)
+        if prev is False:  # no record of where it resumed from: take the dir order
+            n = int(cur.name.split("_")[1])
+            older = [v for v in versions if int(v.name.split("_")[1]) < n]
+            return [v for v in older if v not in chain] + chain[::-1]
         if prev is None or prev in chain:
             return chain[::-1]
+        assert isinstance(prev, Path)
         chain.append(prev)
         cur = prev
+
+
+def run_lineage(run_dir: str | Path, version: int | None = None) -> list[Path]:
+    """The ``version_N`` dirs of a run's fit history, oldest first (``_lineage``); the
+    versions ``salvage validate`` / ``test`` wrote into the run dir are left out
+    (``is_evaluation``). [] when ``run_dir`` has no ``version_N`` with metrics."""
+    from salvage.checkpointing import run_versions
+
+    run = Path(run_dir)
+    versions = [
+        v for v in run_versions(run) if (v / "metrics.csv").is_file() and not is_evaluation(v)
+    ]
+    return _lineage(run, versions, version) if versions else []
+
+
+def merge_versions(
+    per_version: list[dict[str, list[tuple[float, float]]]], starts: list[float | None]
+) -> dict[str, list[tuple[float, float]]]:
+    """One run's metric series from its versions' (oldest first): version k+1's first
+    training step s marks where it resumed, so version k's points at steps >= s (updates
+    that were interrupted and redone) are dropped, and a later version's point at a step
+    replaces an earlier one's at that step."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for k in range(len(per_version) - 1, -1, -1):  # newest first: later versions win
+        later = [s for s in starts[k + 1 :] if s is not None]
+        cut = min(later) if later else math.inf
+        for key, pts in per_version[k].items():
+            have = {st for st, _ in series.get(key, [])}
+            series.setdefault(key, []).extend(
+                (st, val) for st, val in pts if st < cut and st not in have
+            )
+    for pts in series.values():
+        pts.sort(key=lambda p: p[0])
+    return series
 
 
 def load_run(
@@ -106,45 +224,47 @@ def load_run(
 ) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[dict[str, Any]]], list[Path]]:
     """A run's history across resumes: (metric series, jsonl records by stem, metric files).
 
-    The versions of the run (``_lineage``) are read in order; version k+1's first training
-    step s marks where it resumed, so version k's metric points and ``relays`` / ``exchange``
-    records at steps >= s (updates that were interrupted and redone) are dropped. A run dir
-    without ``version_N`` folders falls back to the newest ``metrics.csv`` below it.
+    The versions of the run (``run_lineage``: fit versions only, found relative to the run
+    dir) are merged by ``merge_versions``; ``relays`` / ``exchange`` records of an
+    interrupted version at steps a later version redid are dropped too. A run dir without
+    ``version_N`` folders falls back to the newest ``metrics.csv`` below it.
     """
-    from salvage.checkpointing import run_versions
-
     run = Path(run_dir)
-    versions = [v for v in run_versions(run) if (v / "metrics.csv").exists()]
-    if versions:
-        versions = _lineage(run, versions, version)
-    else:
+    if not run.exists():
+        raise MissingFileError(f"run dir {str(run)!r} does not exist")
+    if not run.is_dir():
+        raise ConfigError(f"run dir {str(run)!r} is not a directory")
+    versions = run_lineage(run, version)
+    if not versions:
         newest = _newest(run, "metrics.csv")
         if newest is None:
-            raise FileNotFoundError(f"no metrics.csv under {run} (is it a run directory?)")
+            raise MissingFileError(
+                f"run dir {str(run)!r} holds no metrics.csv (is it a run directory, "
+                "trainer.default_root_dir of a fit?)"
+            )
         versions = [newest.parent]
-    per: list[tuple[dict[str, list[tuple[float, float]]], dict[str, list[dict[str, Any]]]]] = []
+    per: list[dict[str, list[tuple[float, float]]]] = []
+    recs: list[dict[str, list[dict[str, Any]]]] = []
     starts: list[float | None] = []
     for v in versions:
-        recs = {
-            stem: ranked_jsonl(
-                v / f"{stem}.jsonl" if (v / f"{stem}.jsonl").exists() else None, stem
-            )
-            for stem in ("relays", "exchange")
-        }
-        per.append((load_metrics(v / "metrics.csv"), recs))
+        recs.append(
+            {
+                stem: ranked_jsonl(
+                    v / f"{stem}.jsonl" if (v / f"{stem}.jsonl").exists() else None, stem
+                )
+                for stem in ("relays", "exchange")
+            }
+        )
+        per.append(load_metrics(v / "metrics.csv"))
         steps = _train_steps(v / "metrics.csv")
         starts.append(min(steps) if steps else None)
-    series: dict[str, list[tuple[float, float]]] = {}
+    series = merge_versions(per, starts)
     records: dict[str, list[dict[str, Any]]] = {"relays": [], "exchange": []}
-    for k, (m, recs) in enumerate(per):
+    for k, rs_by_stem in enumerate(recs):
         later = [s for s in starts[k + 1 :] if s is not None]
         cut = min(later) if later else math.inf  # a later version redid these steps
-        for key, pts in m.items():
-            series.setdefault(key, []).extend((st, val) for st, val in pts if st < cut)
-        for stem, rs in recs.items():
+        for stem, rs in rs_by_stem.items():
             records[stem].extend(r for r in rs if float(r.get("step", -1)) < cut)
-    for pts in series.values():
-        pts.sort(key=lambda p: p[0])
     return series, records, [v / "metrics.csv" for v in versions]
 
 

@@ -63,7 +63,7 @@ def test_joint_cost_refuses_a_joint_graft_run(tmp_path):
     )
     with pytest.raises(ValueError, match="joint two-model run"):
         run_checkpoint_cost(tmp_path / "G")
-    with pytest.raises(FileNotFoundError, match="no metrics.csv"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         run_checkpoint_cost(tmp_path / "missing")
 
 
