@@ -287,3 +287,57 @@ def test_source_labels_take_as_much_of_the_path_as_tells_files_apart(tmp_path):
     # the same file twice: only names tell them apart
     twice = [MathData(source=str(tmp_path / "math500.jsonl"), name=n) for n in ("x", "y")]
     assert source_labels(twice) == ["x", "y"]
+
+
+def test_lone_surrogates_and_non_finite_answers_are_refused_at_load_naming_the_row(tmp_path):
+    from salvage.errors import DataError
+
+    good = json.dumps({"id": 1, "problem": "What is 2+2?", "answer": "4"})
+    for n, (line, what) in enumerate(
+        [
+            ('{"id": 2, "problem": "What is \\ud800?", "answer": "6"}', "lone surrogate"),
+            ('{"id": 2, "problem": "What is 1+1?", "answer": "\\udfff"}', "lone surrogate"),
+            ('{"id": 2, "problem": "What is 0/0?", "answer": NaN}', "'nan'"),
+            ('{"id": 2, "problem": "What is 1/0?", "answer": Infinity}', "'inf'"),
+            ('{"id": 2, "problem": "What is 1/0?", "answer": "-inf"}', "'-inf'"),
+        ]
+    ):
+        p = tmp_path / f"bad{n}.jsonl"
+        p.write_text(good + "\n" + line + "\n", encoding="utf-8")
+        with pytest.raises(DataError, match="line 2") as e:
+            load_math_tasks(MathData(source=str(p)))
+        assert str(p) in str(e.value) and what in str(e.value)
+    # LaTeX infinity is a math answer, not a float: it loads and scores
+    p = tmp_path / "infty.jsonl"
+    p.write_text(json.dumps({"problem": "lim 1/x^2 at 0?", "answer": "\\infty"}) + "\n")
+    tasks, _ = load_math_tasks(MathData(source=str(p)))
+    assert MathVerifyReward()("\\boxed{\\infty}", tasks[0].answer).success
+
+
+@pytest.mark.parametrize("gold", ["4", "nan", "NaN"])
+def test_a_nan_answer_never_scores(gold):
+    reward = MathVerifyReward()
+    for response in ("\\boxed{nan}", "\\boxed{NaN}", "\\boxed{-nan}", "\\boxed{\\text{nan}}"):
+        r = reward(response, gold)
+        assert (r.reward, r.success) == (0.0, False), response
+
+
+def test_a_gold_answer_whose_parse_times_out_is_parsed_once(monkeypatch):
+    from math_verify.errors import TimeoutException
+
+    reward = MathVerifyReward(timeout_s=1)
+    calls: list[str] = []
+    real = reward._parse
+
+    def parse(latex: str):
+        calls.append(latex)
+        if latex == "slow":
+            raise TimeoutException("parse timed out")
+        return real(latex)
+
+    monkeypatch.setattr(reward, "_parse", parse)
+    results = [reward(f"\\boxed{{{k}}}", "slow") for k in range(5)]
+    assert calls.count("slow") == 1  # parsed once, cached as failed
+    assert results[0].timed_out and all(r.reward == 0.0 for r in results)
+    assert reward.timeouts == 1 and reward.errors == 4
+    assert reward("\\boxed{3}", "3").success  # other answers are unaffected

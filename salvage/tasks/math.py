@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,23 @@ class Reward:
         raise NotImplementedError
 
 
+_GOLD_FAILED = object()
+"""Cached in place of a gold answer whose parse timed out or failed."""
+
+
+def nan_text(text: str) -> bool:
+    """Whether an answer reads as NaN (``nan``, ``-NaN``, ``\\text{nan}``, ...)."""
+    t = text.strip().replace(" ", "").lower().lstrip("+-")
+    return t in ("nan", "\\text{nan}", "\\mathrm{nan}")
+
+
+def non_finite_text(text: str) -> bool:
+    """Whether a gold answer is NaN or a bare infinity as a number is written (``inf``,
+    ``Infinity``: JSON's, a float's ``str``); LaTeX ``\\infty`` is a math answer and passes."""
+    t = text.strip().replace(" ", "").lower().lstrip("+-")
+    return nan_text(text) or t in ("inf", "infinity")
+
+
 class MathVerifyReward(Reward):
     """Binary reward with math-verify on the last ``\\boxed{}`` answer.
 
@@ -96,7 +114,7 @@ class MathVerifyReward(Reward):
 
     def __init__(self, timeout_s: int = 5) -> None:
         if timeout_s < 1:
-            raise ValueError(f"reward timeout_s must be >= 1 second, got {timeout_s}")
+            raise ConfigError(f"reward timeout_s must be >= 1 second, got {timeout_s}")
         self.timeout_s = timeout_s
         self._gold_cache: dict[str, Any] = {}
         self.timeouts = 0
@@ -112,12 +130,26 @@ class MathVerifyReward(Reward):
         from math_verify.errors import TimeoutException
 
         pred_text = last_boxed(response)
-        if pred_text is None or not pred_text.strip():
-            return RewardResult(0.0, False)
-        try:
-            gold = self._gold_cache.get(answer)
-            if gold is None:
+        if pred_text is None or not pred_text.strip() or nan_text(pred_text):
+            return RewardResult(0.0, False)  # NaN is never a correct answer
+        gold = self._gold_cache.get(answer)
+        if gold is _GOLD_FAILED:  # its parse failed once: never retried per response
+            self.errors += 1
+            return RewardResult(0.0, False, error=True)
+        if gold is None:
+            try:
                 gold = self._gold_cache.setdefault(answer, self._parse(answer))
+            except TimeoutException:
+                self._gold_cache[answer] = _GOLD_FAILED
+                self.timeouts += 1
+                log.warning("math-verify timed out parsing the gold answer %r", answer[:80])
+                return RewardResult(0.0, False, timed_out=True)
+            except Exception as e:  # noqa: BLE001 - a verifier failure scores 0, never crashes
+                self._gold_cache[answer] = _GOLD_FAILED
+                self.errors += 1
+                log.warning("math-verify cannot parse the gold answer %r: %s", answer[:80], e)
+                return RewardResult(0.0, False, error=True)
+        try:
             pred = self._parse(pred_text)
             ok = bool(verify(gold, pred, timeout_seconds=self.timeout_s, raise_on_error=True))
         except TimeoutException:
@@ -163,7 +195,7 @@ class MathData:
 
     def __post_init__(self) -> None:
         if not self.source:
-            raise ValueError("data source must be set")
+            raise ConfigError("data source must be set")
         if not self.source.startswith("reasoning_gym:"):
             p = Path(self.source)
             if p.suffix not in (".jsonl", ".parquet"):
@@ -172,10 +204,16 @@ class MathData:
                 )
             if not p.exists():
                 raise MissingFileError(f"data source {self.source!r} does not exist")
+            if p.is_dir():
+                raise ConfigError(
+                    f"data source {self.source!r} is a directory; name a .jsonl or .parquet file"
+                )
         if self.size < 1:
-            raise ValueError(f"data size must be >= 1, got {self.size}")
+            raise ConfigError(f"data source {self.source!r}: size must be >= 1, got {self.size}")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"data limit must be >= 1 or null, got {self.limit}")
+            raise ConfigError(
+                f"data source {self.source!r}: limit must be >= 1 or null, got {self.limit}"
+            )
         if self.split_frac is not None and not 0.0 < self.split_frac < 1.0:
             raise ConfigError(f"data split_frac must be in (0, 1) or null, got {self.split_frac}")
         if self.split_part not in ("train", "heldout"):
@@ -228,6 +266,9 @@ def load_math_tasks(
         except (KeyError, TypeError, ValueError) as e:
             skipped.append(f"{where[i]}: {e}")
             continue
+        bad = _bad_text(row, task)
+        if bad:
+            raise DataError(f"data source {data.source!r}: {where[i]}: {bad}")
         if task.id in first_seen:
             raise DataError(
                 f"data source {data.source!r}: {where[i]} repeats the id of {first_seen[task.id]} "
@@ -344,6 +385,27 @@ def _row_to_task(row: Any, i: int, stem: str, data: MathData) -> MathTask:
     return MathTask(id=f"{stem}/{tid}", messages=messages, answer=answer, meta=meta)
 
 
+def _bad_text(row: Any, task: MathTask) -> str | None:
+    """What makes a parsed row unusable, or None: a lone surrogate (valid JSON, not valid
+    Unicode: the tokenizer would fail mid-run) in the prompt or answer, or an answer that is
+    NaN or infinite (a response could "match" it)."""
+    for what, text in [
+        *(("problem", m["content"]) for m in task.messages),
+        ("answer", task.answer),
+    ]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                f"the {what} holds a lone surrogate ({text[e.start]!r} at character {e.start}): "
+                "not valid Unicode text; fix or drop the row"
+            )
+    raw = row.get("answer") if isinstance(row, dict) else None
+    if (isinstance(raw, float) and not math.isfinite(raw)) or non_finite_text(task.answer):
+        return f"the answer is {task.answer!r}, not a finite value a response can match"
+    return None
+
+
 def _answer_text(answer: Any) -> str:
     if answer is None:
         return ""
@@ -408,7 +470,7 @@ def _reasoning_gym_rows(data: MathData) -> list[dict[str, Any]]:
     try:
         ds = reasoning_gym.create_dataset(name, seed=data.seed, size=data.size, **data.rg_kwargs)
     except Exception as e:
-        raise ValueError(f"data source {data.source!r}: reasoning-gym cannot build it: {e}") from e
+        raise ConfigError(f"data source {data.source!r}: reasoning-gym cannot build it: {e}") from e
     return [
         {"id": f"{data.seed}-{i}", "problem": e["question"], "answer": e["answer"]}
         for i, e in enumerate(ds)
