@@ -78,6 +78,8 @@ class ResumeError(ConfigError):
 def _stored_config(ckpt: Path) -> str | None:
     """The resolved config YAML a checkpoint was written under (``salvage_config``), if any;
     a checkpoint that cannot be read is a ``ConfigError`` naming it (``read_checkpoint``)."""
+    if ckpt.is_dir() and not (ckpt / "meta.pt").exists():
+        return None  # a distributed checkpoint without Lightning's meta file
     return read_checkpoint(ckpt).get("salvage_config")
 
 

@@ -172,6 +172,22 @@ def collect(paths: list[Path]) -> list[RunData]:
     return out
 
 
+def read_study_json(path: Path) -> dict[str, Any]:
+    """A study dir's ``study.json``; ``DataError`` naming it when it is not a JSON object."""
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{str(path)!r} is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+            "rerun salvage study to rewrite it"
+        ) from None
+    if not isinstance(info, dict):
+        raise DataError(f"{str(path)!r} holds a {type(info).__name__}, not a JSON object")
+    return info
+
+
 def heldout_keys(runs: list[RunData]) -> list[str]:
     """``[<model>/]val/success`` per model prefix, else ``[<model>/]val/aggregate`` followed
     by that model's per-benchmark ``[<model>/]val/success/<name>`` (several benchmarks)."""
@@ -353,7 +369,7 @@ def compare(
         raise ValueError(f"--effect must be > 0, got {effect}")
     runs = collect(paths)
     if len(paths) == 1 and (paths[0] / "study.json").is_file():
-        info = json.loads((paths[0] / "study.json").read_text(encoding="utf-8"))
+        info = read_study_json(paths[0] / "study.json")
         baseline = baseline or info.get("baseline")
         order = {m: i for i, m in enumerate(info.get("methods") or [])}
         runs.sort(key=lambda r: (order.get(r.method, len(order)), r.method, r.seed))
@@ -459,5 +475,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(compare(a.paths, out, a.baseline, a.metric, a.effect), end="")
     except ValueError as e:
-        p.exit(2, f"salvage compare: error: {e}\n")
+        p.exit(2, f"salvage compare: error: {' '.join(str(e).split())}\n")
     print(f"wrote {out}")

@@ -21,6 +21,7 @@ right after the problem text (``"<problem>\n\n"``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -85,20 +86,20 @@ class PolicySpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(f"policy.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"policy.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if not self.name_or_path:
-            raise ValueError("policy.name_or_path must be set (e.g. 'tiny')")
+            raise ConfigError("policy.name_or_path must be set (e.g. 'tiny')")
         if self.template_fallback not in TEMPLATE_FALLBACKS:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.template_fallback must be one of {TEMPLATE_FALLBACKS}, "
                 f"got {self.template_fallback!r}"
             )
         if self.trainable_layers is not None and self.trainable_layers < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.trainable_layers must be >= 1 or null, got {self.trainable_layers}"
             )
         if self.vocab_size < 300:
-            raise ValueError(
+            raise ConfigError(
                 f"policy.vocab_size must be >= 300 (byte alphabet + specials), got {self.vocab_size}"
             )
 
@@ -127,9 +128,67 @@ def check_model_source(name: str) -> None:
                 f"model path {name!r} is a file; expected a Hugging Face model directory "
                 "(config.json, tokenizer and weights)"
             )
+        check_model_dir(p)
         return
     if not _HUB_ID.fullmatch(name) or ".." in name or "--" in name:
         raise ConfigError(f"model path {name!r} does not exist (and is not a hub id 'org/name')")
+
+
+def check_model_dir(d: Path) -> None:
+    """A local model directory holds a readable ``config.json`` and complete weights
+    (``*.safetensors`` whose size matches their header, or ``pytorch_model*.bin``);
+    otherwise one ``ConfigError`` line naming the file."""
+    if not any(d.iterdir()):
+        raise ConfigError(
+            f"model path {str(d)!r} is an empty directory; expected a Hugging Face model "
+            "directory (config.json, tokenizer and weights)"
+        )
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise ConfigError(f"model path {str(d)!r} has no config.json (not a model directory)")
+    try:
+        loaded = json.loads(cfg.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{str(cfg)!r} is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{str(cfg)!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{str(cfg)!r} holds a {type(loaded).__name__}, not a JSON object")
+    shards = sorted(d.glob("*.safetensors"))
+    if not shards and not list(d.glob("pytorch_model*.bin")):
+        raise ConfigError(
+            f"model path {str(d)!r} has no weights (no *.safetensors or pytorch_model*.bin)"
+        )
+    for f in shards:
+        _check_safetensors(f)
+
+
+def _check_safetensors(f: Path) -> None:
+    """A ``.safetensors`` file's header parses and its tensors fit in the file."""
+    size = f.stat().st_size
+    try:
+        with f.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError("header")
+            header = json.loads(fh.read(n))
+        end = max(
+            (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (ValueError, KeyError, TypeError, IndexError, OSError):
+        raise ConfigError(
+            f"model weights {str(f)!r} are not a readable safetensors file ({size} bytes; "
+            "truncated or corrupt: a download or copy cut short?)"
+        ) from None
+    if 8 + n + end > size:
+        raise ConfigError(
+            f"model weights {str(f)!r} are truncated: {size} bytes, the header needs "
+            f"{8 + n + end} (a download or copy cut short?)"
+        )
 
 
 def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:

@@ -118,6 +118,8 @@ from typing import IO, Any
 
 import yaml
 
+from salvage.errors import ConfigError, MissingFileError
+
 if sys.platform != "win32":
     import fcntl
 
@@ -266,7 +268,7 @@ class Run:
 
 
 def _err(file: Path, key: str, value: Any, why: str) -> ValueError:
-    return ValueError(f"{file}: {key}={value!r} {why}")
+    return ConfigError(f"{file}: {key}={value!r} {why}")
 
 
 def _path(file: Path, key: str, value: Any) -> Path:
@@ -316,10 +318,21 @@ def load_study(path: str | Path) -> Study:
     """Parse and check a study file; every error names the file, the key and the value."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"study file {str(path)!r} does not exist")
-    spec = yaml.safe_load(file.read_text(encoding="utf-8"))
+        raise MissingFileError(f"study file {str(path)!r} does not exist")
+    try:
+        spec = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"study file {str(file)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+            f"offset {e.start})"
+        ) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"study file {str(file)!r} is not valid YAML: {what}{where}") from None
     if not isinstance(spec, dict):
-        raise ValueError(f"{file}: a study file must be a YAML mapping")
+        raise ConfigError(f"{file}: a study file must be a YAML mapping, got {type(spec).__name__}")
     unknown = sorted(set(spec) - STUDY_KEYS)
     if unknown:
         raise _err(file, unknown[0], spec[unknown[0]], f"is not a study key ({sorted(STUDY_KEYS)})")
@@ -846,7 +859,11 @@ def _merged_config(study: Study, configs: list[Path]) -> dict[str, Any]:
 
     cfg: dict[str, Any] = {}
     for c in [*study.base, *configs]:
-        loaded = yaml.safe_load(c.read_text(encoding="utf-8")) or {}
+        try:
+            loaded = yaml.safe_load(c.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"config file {str(c)!r} is not readable YAML: {first}") from None
         if isinstance(loaded, dict):
             cfg = merge(cfg, loaded)
     return cfg
@@ -1180,5 +1197,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = run_study(a.study, a.out, a.backend, a.ray_address, a.jobs, a.skip_regime)
     except ValueError as e:  # Busy included: exit 2 naming the holder
-        p.exit(EXIT_BUSY, f"salvage study: error: {e}\n")
+        p.exit(EXIT_BUSY, f"salvage study: error: {' '.join(str(e).split())}\n")
     sys.exit(rc)
