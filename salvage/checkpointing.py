@@ -267,7 +267,8 @@ class RunConfigRecorder(L.Callback):
             log_dir = trainer.log_dir if trainer.loggers else None
             if log_dir and _VERSION.match(Path(log_dir).name):  # what wrote this version
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
-                (Path(log_dir) / STAGE_FILE).write_text(f"{stage}\n", encoding="utf-8")
+                name = str(getattr(stage, "value", stage))  # TrainerFn.FITTING -> "fit"
+                (Path(log_dir) / STAGE_FILE).write_text(f"{name}\n", encoding="utf-8")
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
