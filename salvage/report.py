@@ -61,18 +61,24 @@ def load_metrics(path: Path) -> dict[str, list[tuple[float, float]]]:
 
 def _csv_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a metrics CSV; ``DataError`` naming the file when it cannot be read."""
+    import io
+
     try:
-        with path.open(newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"metrics file {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
-            f"at offset {e.start})"
-        ) from None
-    except csv.Error as e:
-        raise DataError(f"metrics file {str(path)!r} is not readable CSV: {e}") from None
+        raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"metrics file {str(path)!r} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"metrics file {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line "
+            f"{line})"
+        ) from None
+    try:
+        return list(csv.DictReader(io.StringIO(text, newline="")))
+    except csv.Error as e:
+        raise DataError(f"metrics file {str(path)!r} is not readable CSV: {e}") from None
 
 
 def _jsonl(path: Path | None) -> list[dict[str, Any]]:

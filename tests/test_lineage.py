@@ -126,3 +126,17 @@ def test_compare_finds_runs_beside_method_dirs_at_any_depth(tmp_path):
     assert [r.dir for r in collect([d / "vh" / "seed0", d / "vh" / "seed0"])] == [
         d / "vh" / "seed0"
     ]
+
+
+def test_a_torn_metrics_file_is_read_as_far_as_it_goes_or_named(tmp_path):
+    from salvage.errors import DataError
+    from salvage.report import load_metrics
+
+    torn = tmp_path / "torn.csv"
+    torn.write_bytes(b"step,a,b\n0,1,2\n1,3,4\n2,5")  # a crash mid-row
+    assert load_metrics(torn) == {"a": [(0, 1.0), (1, 3.0), (2, 5.0)], "b": [(0, 2.0), (1, 4.0)]}
+    cut = tmp_path / "cut.csv"
+    cut.write_bytes("step,note\n0,1\n1,é".encode()[:-1])  # cut inside a UTF-8 character
+    with pytest.raises(DataError, match="not UTF-8") as e:
+        load_metrics(cut)
+    assert str(cut) in str(e.value) and "line 3" in str(e.value)
