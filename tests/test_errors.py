@@ -166,8 +166,15 @@ def test_debug_shows_the_exception(tmp_path):
 def test_model_source_check_tells_paths_from_hub_ids(tmp_path):
     from salvage.models import check_model_source
 
-    for ok in ("tiny", "Qwen/Qwen2.5-1.5B-Instruct", "gpt2", str(tmp_path)):
-        check_model_source(ok)  # builtin, hub ids, an existing directory
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "pytorch_model.bin").write_bytes(b"")
+    for ok in ("tiny", "Qwen/Qwen2.5-1.5B-Instruct", "gpt2", str(model)):
+        check_model_source(ok)  # builtin, hub ids, a model directory
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="empty directory"):
+        check_model_source(str(tmp_path / "empty"))
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"")
     with pytest.raises(ConfigError, match="is a file; expected a Hugging Face model directory"):
