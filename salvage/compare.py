@@ -127,7 +127,10 @@ def read_exchange(run_dir: Path) -> list[dict[str, Any]]:
 
 def read_run(run_dir: Path) -> dict[str, dict[float, float]]:
     """Metric -> {step: value} over the run's whole history (``salvage.report.load_run``:
-    every fit version, a later version winning at a step it redid)."""
+    every fit version, a later version winning at a step it redid); {} for a dir without
+    fit versions."""
+    if not _versions(run_dir):
+        return {}
     series, _, _ = load_run(run_dir)
     return {k: dict(pts) for k, pts in series.items()}
 
