@@ -245,7 +245,9 @@ def test_sources_sharing_a_file_stem_keep_their_own_prompts(tmp_path, tiny):
     assert "What is 10*10?" in got["amc/test/1"][0] and got["amc/test/1"][1] == "100"
     # one file per split: both tasks are "test/1", yet the prompt cache (shared across
     # splits) serves each its own prompt
-    dm = RLVRDataModule(train=MathData(source=str(aime)), val=MathData(source=str(amc)))
+    dm = RLVRDataModule(
+        train=MathData(source=str(aime)), val=MathData(source=str(amc)), prompts_per_step=1
+    )
     dm.setup("fit")
     train, val = dm.tasks["train"][0], dm.tasks["val"][0]
     assert train.id == val.id == "test/1"
