@@ -164,7 +164,13 @@ def read_checkpoint(path: str | Path, what: str = "--ckpt_path") -> dict[str, An
             ) from e
         raise ConfigError(f"{what} {file}: not a readable checkpoint ({first})") from e
     except (RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        import zipfile
+
+        if not zipfile.is_zipfile(file):  # torch.save writes a zip; its directory is at the end
+            first = f"not a complete zip archive, {file.stat().st_size} bytes"
+        else:
+            text = " ".join(str(e).split())
+            first = text.split(". ")[0][:160] if text else type(e).__name__
         raise ConfigError(
             f"{what} {file}: not a readable checkpoint (truncated or corrupt: {first})"
         ) from e
