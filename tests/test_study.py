@@ -205,9 +205,11 @@ def test_criteria_on_hand_made_metrics():
     assert got[1].line() == (
         "mean rollout/zero_signal_frac over updates 1-3 > 0.5: measured 0.5 over 3 update(s)"
     )
-    many = {f"m{i:02d}": {0.0: 1.0} for i in range(25)}
-    why = evaluate([Criterion("x", ">", 0)], many)[0].why
-    assert "m00, m01" in why and "m19" in why and "m20" not in why and "(+5 more)" in why
+    many = {f"m{i:02d}": {0.0: 1.0} for i in range(45)} | {"y/a": {0.0: 1.0}}
+    why = evaluate([Criterion("y/x", ">", 0)], many)[0].why
+    # the metric's own namespace first, then 40 names at most
+    assert "(it has: y/a, m00, m01" in why and "m38" in why and "m39" not in why
+    assert "(+6 more)" in why
     table = regime_table(got[:2]).splitlines()
     assert table[0].split() == ["metric", "stat", "updates", "value", "threshold", "result"]
     assert table[1].split() == [
