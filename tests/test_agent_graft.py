@@ -170,7 +170,9 @@ def test_agent_graft_fit_exchanges_episodes_both_ways_and_trains_on_them(tmp_pat
 
 def test_agent_exchange_refuses_single_response_modes():
     _needs_twx()
-    data = AgentPeersDataModule(env=EnvSpec(name="twx", train_tasks={**COIN, "num_tasks": 2}))
+    data = AgentPeersDataModule(
+        env=EnvSpec(name="twx", train_tasks={**COIN, "num_tasks": 2}), tasks_per_step=2
+    )
     module = GRAFTModule(mode="hacpo")
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False)
     with pytest.raises(ConfigError, match="model.mode='hacpo' is not defined for agent episodes"):

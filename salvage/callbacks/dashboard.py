@@ -344,7 +344,7 @@ class WandbDashboard(L.Callback):
                     {"cost/checkpoint_table": wandb.Table(cost_cols, crow)}, step=step
                 ),
             )
-        self._log_report(trainer, step)
+        self._log_report(trainer, step, of_this_version=False)
 
     def _log_summary(self, trainer: L.Trainer, step: int) -> None:
         import wandb
@@ -372,7 +372,10 @@ class WandbDashboard(L.Callback):
 
         self._each("while logging the run summary", log)
 
-    def _log_report(self, trainer: L.Trainer, step: int) -> None:
+    def _log_report(self, trainer: L.Trainer, step: int, of_this_version: bool = True) -> None:
+        """The run report's plots as W&B images: of this logger version's lineage at the end
+        of a fit; at the end of ``salvage test`` (a version of its own, which a report leaves
+        out of the fit history) of the run's newest fit lineage."""
         if not self.report:
             return
         from lightning.pytorch.loggers import CSVLogger
@@ -382,7 +385,7 @@ class WandbDashboard(L.Callback):
         csvs = [lg for lg in trainer.loggers if isinstance(lg, CSVLogger)]
         for lg in csvs:  # the report reads metrics.csv: write what is buffered
             lg.save()
-        version = csvs[0].version if csvs else None
+        version = csvs[0].version if csvs and of_this_version else None
         try:
             res = make_report(
                 trainer.default_root_dir, version if isinstance(version, int) else None
