@@ -1,0 +1,226 @@
+"""Start ``salvage fit`` as a multi-node job on this machine (loopback, gloo, CPU).
+
+Used by ``test_multinode.py``. A "node" here is a set of processes given a node rank; all of
+them talk through ``127.0.0.1``, the way the same command would run on N machines with
+``MASTER_ADDR`` set to the first one. Three ways to start them, each the way a cluster does:
+
+- ``torchrun``: one ``torchrun --nnodes N --node-rank r`` agent per node (its static
+  rendezvous on ``MASTER_ADDR:MASTER_PORT``), each starting its node's processes; Lightning
+  detects ``TorchElasticEnvironment``.
+- ``env``: every process started by hand with ``MASTER_ADDR``, ``MASTER_PORT``,
+  ``NODE_RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``RANK`` (``LightningEnvironment``:
+  Lightning starts nothing when ``LOCAL_RANK`` is set).
+- ``node``: one command per node with ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` and
+  ``WORLD_SIZE`` (Lightning's own way for a cluster without a launcher: it starts the
+  node's other processes itself; ``LightningEnvironment``).
+- ``slurm``: every process with the variables ``srun`` exports (``SLURM_NTASKS``,
+  ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ...; ``SLURMEnvironment``).
+
+``python -m salvage.cli`` is the ``salvage`` entry point. The runs use a reward that depends
+on the sampled text (``OddLength``), so that groups have a learning signal and the
+parameters move; ``Capture`` (a callback appended with ``--trainer.callbacks+``) records
+which tasks each global rank trained on at each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from salvage.tasks.math import Reward, RewardResult
+from salvage.types import RolloutBatch
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPTURE_VAR = "SALVAGE_TEST_CAPTURE"
+_LAUNCH_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+class OddLength(Reward):
+    """1 for a response of odd length in characters: a verdict on the sample itself."""
+
+    def __call__(self, response: str, answer: str) -> RewardResult:
+        ok = len(response) % 2 == 1
+        return RewardResult(reward=float(ok), success=ok)
+
+
+class Capture(L.Callback):
+    """Write ``tasks_<global rank>_<step>.json`` (the task ids of the rank's rollout batch)
+    and ``ranks_<global rank>.json`` (global / local / node rank, world size) into
+    ``$SALVAGE_TEST_CAPTURE``."""
+
+    def __init__(self) -> None:
+        self.out = Path(os.environ[CAPTURE_VAR])
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        ranks = {
+            "global": trainer.global_rank,
+            "local": trainer.local_rank,
+            "node": trainer.node_rank,
+            "world": trainer.world_size,
+            "cluster": type(trainer.strategy.cluster_environment).__name__,
+        }
+        (self.out / f"ranks_{trainer.global_rank}.json").write_text(json.dumps(ranks))
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if isinstance(batch, RolloutBatch):
+            ids = [g.task_id for g in batch.groups]
+            name = f"tasks_{trainer.global_rank}_{trainer.global_step}.json"
+            (self.out / name).write_text(json.dumps(ids))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fit_args(out: Path, nodes: int, devices: int, steps: int = 2, *extra: str) -> list[str]:
+    """``salvage fit`` of GRPO on ``tiny`` (configs/grpo/math_tiny.yaml), DDP on CPU."""
+    return [
+        "fit",
+        "--config",
+        "configs/grpo/math_tiny.yaml",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.num_nodes",
+        str(nodes),
+        "--trainer.devices",
+        str(devices),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.default_root_dir",
+        str(out),
+        "--data.init_args.reward",
+        "tests.multinode.OddLength",
+        "--trainer.callbacks+",
+        "tests.multinode.Capture",
+        *extra,
+    ]
+
+
+def _base_env(capture: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env = {k: v for k, v in env.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        SALVAGE_PROGRESS="0",
+        WANDB_MODE="offline",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env[CAPTURE_VAR] = str(capture)
+    return env
+
+
+def _wait(procs: list[subprocess.Popen[str]], logs: list[Path], timeout: float) -> list[str]:
+    """Wait for every process; on a failure or a timeout kill the rest and fail with the logs."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    texts = [log.read_text() for log in logs]
+    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        msg = "\n".join(f"--- process {i} (exit {rc}):\n{texts[i][-3000:]}" for i, rc in bad)
+        raise AssertionError(f"multi-node run failed: {bad}\n{msg}")
+    return texts
+
+
+def launch(
+    style: str,
+    out: Path,
+    nodes: int,
+    devices: int,
+    *extra: str,
+    steps: int = 2,
+    timeout: float = 900,
+) -> list[str]:
+    """Run ``salvage fit`` on ``nodes`` x ``devices`` processes started as ``style`` starts
+    them (``torchrun``, ``env``, ``node``, ``slurm``; ``single``: one command on one node, Lightning
+    starting the other local processes). Returns each started process's output."""
+    capture = out / "capture"
+    env0 = _base_env(capture)
+    port = str(free_port())
+    args = fit_args(out, nodes, devices, steps, *extra)
+    cmds: list[tuple[list[str], dict[str, str]]] = []
+    if style == "single":
+        assert nodes == 1
+        cmds.append(([sys.executable, "-m", "salvage.cli", *args], env0))
+    elif style == "node":
+        for node in range(nodes):
+            env = dict(env0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+            env["WORLD_SIZE"] = str(nodes * devices)
+            cmds.append(([sys.executable, "-m", "salvage.cli", *args], env))
+    elif style == "torchrun":
+        for node in range(nodes):
+            run = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}"]
+            run += [f"--nproc-per-node={devices}", f"--node-rank={node}"]
+            run += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+            cmds.append(([*run, "-m", "salvage.cli", *args], env0))
+    else:
+        world = nodes * devices
+        for node in range(nodes):
+            for local in range(devices):
+                rank = node * devices + local
+                env = dict(env0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                if style == "env":
+                    env.update(
+                        NODE_RANK=str(node), LOCAL_RANK=str(local), RANK=str(rank),
+                        WORLD_SIZE=str(world),
+                    )  # fmt: skip
+                elif style == "slurm":
+                    env.update(slurm_env(nodes, devices, node, local))
+                else:
+                    raise ValueError(style)
+                cmds.append(([sys.executable, "-m", "salvage.cli", *args], env))
+    out.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for i, (cmd, env) in enumerate(cmds):
+        log = out / f"launch_{i}.log"
+        logs.append(log)
+        with open(log, "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True
+                )
+            )
+    return _wait(procs, logs, timeout)
+
+
+def slurm_env(nodes: int, tasks_per_node: int, node: int, local: int) -> dict[str, str]:
+    """What ``srun`` exports to task ``local`` of node ``node`` in an ``sbatch --nodes N
+    --ntasks-per-node T`` job (the variables Lightning's ``SLURMEnvironment`` reads)."""
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "salvage-fit",
+        "SLURM_NNODES": str(nodes),
+        "SLURM_NTASKS": str(nodes * tasks_per_node),
+        "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
+        "SLURM_NODELIST": "127.0.0.1",
+        "SLURM_NODEID": str(node),
+        "SLURM_PROCID": str(node * tasks_per_node + local),
+        "SLURM_LOCALID": str(local),
+    }

@@ -1,0 +1,139 @@
+"""``salvage fit`` on 2 "nodes" of this machine (loopback, gloo, CPU) equals one node.
+
+Each run is GRPO on ``tiny`` (``configs/grpo/math_tiny.yaml``, 2 updates, DDP, a reward on the
+sampled text so the parameters move), started as a cluster starts it (``tests/multinode.py``:
+two ``torchrun`` agents, processes started by hand with ``NODE_RANK`` / ``RANK``, one
+command per node, or the variables ``srun`` exports), and compared with the same world size on one node (one command,
+Lightning starting the local processes):
+
+- the parameters after 2 updates are the same, bit for bit;
+- each global rank trains on the same tasks at each step, ``prompts_per_step`` (4) split
+  over all ranks, not per node (a rank that took its node-local rank would repeat node 0's);
+- global rank 0 alone writes the run: one ``version_0`` with one ``metrics.csv`` (the same
+  rewards and losses as one node), one ``last.ckpt``, one W&B run.
+
+Every run starts 2-4 processes of a few seconds of imports each: ~45 s (2 x 1) and
+~90 s (2 x 2) on a loaded 2-core machine, hence ``slow``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.multinode import launch
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = {
+    "torchrun": "TorchElasticEnvironment",
+    "env": "LightningEnvironment",
+    "node": "LightningEnvironment",
+    "slurm": "SLURMEnvironment",
+    "single": "LightningEnvironment",
+}
+TIMING = ("perf/", "cost/")
+"""metrics.csv columns that are wall-clock measurements (differ between any two runs)."""
+WANDB_FILES = {"wandb", "wandb_run.json"}
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """One node, world size 2 and 4: ``salvage fit --trainer.devices W`` (Lightning starts W)."""
+    runs: dict[int, Path] = {}
+
+    def get(world: int) -> Path:
+        if world not in runs:
+            out = tmp_path_factory.mktemp(f"one_node_{world}")
+            launch("single", out, 1, world)
+            runs[world] = out
+        return runs[world]
+
+    return get
+
+
+def _params(run: Path) -> dict[str, torch.Tensor]:
+    ckpts = list(run.rglob("*.ckpt"))
+    assert [c.relative_to(run).as_posix() for c in ckpts] == ["version_0/checkpoints/last.ckpt"]
+    ckpt = torch.load(ckpts[0], map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 2
+    return ckpt["state_dict"]
+
+
+def _metrics(run: Path) -> list[dict[str, str]]:
+    files = list(run.rglob("metrics.csv"))
+    assert [f.relative_to(run).as_posix() for f in files] == ["version_0/metrics.csv"]
+    with open(files[0], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["0", "1"]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def _tasks(run: Path, world: int) -> dict[tuple[int, int], list[str]]:
+    return {
+        (rank, step): json.loads((run / "capture" / f"tasks_{rank}_{step}.json").read_text())
+        for rank in range(world)
+        for step in (0, 1)
+    }
+
+
+def _check_like_one_node(run: Path, ref: Path, style: str, nodes: int, devices: int) -> float:
+    """Everything the module docstring lists; returns how far the parameters moved."""
+    world = nodes * devices
+    # the ranks as Lightning saw them: global = node * devices + local
+    for rank in range(world):
+        got = json.loads((run / "capture" / f"ranks_{rank}.json").read_text())
+        node, local = divmod(rank, devices)
+        assert got == {
+            "global": rank,
+            "local": local,
+            "node": node,
+            "world": world,
+            "cluster": CLUSTER[style],
+        }, got
+    # one run directory, written by global rank 0
+    assert sorted(p.name for p in run.glob("version_*")) == ["version_0"]
+    files = {p.name for p in (run / "version_0").iterdir()} - WANDB_FILES
+    assert files == {p.name for p in (ref / "version_0").iterdir()}
+    # the global batch: 4 prompts per step over all ranks, each rank the one-node rank's share
+    tasks, ref_tasks = _tasks(run, world), _tasks(ref, world)
+    assert tasks == ref_tasks
+    for step in (0, 1):
+        per_step = [t for rank in range(world) for t in tasks[(rank, step)]]
+        assert len(per_step) == len(set(per_step)) == 4
+    assert _metrics(run) == _metrics(ref)
+    # the same update, bit for bit (same ranks, same shares, same gloo reductions)
+    p, p_ref = _params(run), _params(ref)
+    assert set(p) == set(p_ref)
+    worst = max(float((p[k] - p_ref[k]).abs().max()) for k in p)
+    assert worst == 0.0, f"{nodes} nodes x {devices} differ from one node by {worst:.3e}"
+    from salvage.models import PolicySpec, load_model
+
+    init = load_model(PolicySpec("tiny")).state_dict()
+    moved = max(float((p["policy." + k] - v).abs().max()) for k, v in init.items())
+    assert moved > 1e-4, "the updates did not train anything"
+    return moved
+
+
+@pytest.mark.parametrize("style", ["torchrun", "env", "slurm"])
+def test_two_nodes_of_one_process_equal_one_node_of_two(style, one_node, tmp_path):
+    """2 nodes x 1 process, started by torchrun, by hand, or as srun starts them."""
+    extra = ["--config", "configs/logger/wandb.yaml"] if style == "torchrun" else []
+    launch(style, tmp_path, 2, 1, *extra)
+    _check_like_one_node(tmp_path, one_node(2), style, 2, 1)
+    if extra:  # one W&B run, from global rank 0 (offline here)
+        runs = [p for p in tmp_path.rglob("offline-run-*") if p.is_dir()]
+        assert len(runs) == 1, runs
+        assert len(list(tmp_path.rglob("wandb_run.json"))) == 1
+
+
+@pytest.mark.parametrize("style", ["torchrun", "node", "slurm"])
+def test_two_nodes_of_two_processes_equal_one_node_of_four(style, one_node, tmp_path):
+    """2 nodes x 2 processes: node 1's processes are global ranks 2 and 3, local ranks 0, 1
+    (torchrun agents, one command per node starting its second process, or srun's tasks)."""
+    launch(style, tmp_path, 2, 2)
+    _check_like_one_node(tmp_path, one_node(4), style, 2, 2)
