@@ -16,7 +16,9 @@ them talk through ``127.0.0.1``, the way the same command would run on N machine
 - ``slurm``: every process with the variables ``srun`` exports (``SLURM_NTASKS``,
   ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ...; ``SLURMEnvironment``).
 
-``python -m salvage.cli`` is the ``salvage`` entry point. The runs use a reward that depends
+``start`` runs any such commands, e.g. ``scripts/slurm_fit.sbatch`` under ``sbatch_env`` with
+the ``srun`` / ``scontrol`` of ``fake_slurm`` first on ``PATH``, or ``scripts/torchrun_fit.sh``
+once per node under ``torchrun_env``. ``python -m salvage.cli`` is the ``salvage`` entry point. The runs use a reward that depends
 on the sampled text (``OddLength``), so that groups have a learning signal and the
 parameters move; ``Capture`` (a callback appended with ``--trainer.callbacks+``) records
 which tasks each global rank trained on at each step.
@@ -88,8 +90,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def fit_args(out: Path, nodes: int, devices: int, steps: int = 2, *extra: str) -> list[str]:
-    """``salvage fit`` of GRPO on ``tiny`` (configs/grpo/math_tiny.yaml), DDP on CPU."""
+def fit_args(
+    out: Path, nodes: int | None, devices: int | None, steps: int = 2, *extra: str
+) -> list[str]:
+    """``salvage fit`` of GRPO on ``tiny`` (configs/grpo/math_tiny.yaml), DDP on CPU; without
+    ``--trainer.num_nodes`` / ``--trainer.devices`` when None (a launch script sets them)."""
+    shape: list[str] = []
+    if nodes is not None:
+        shape += ["--trainer.num_nodes", str(nodes)]
+    if devices is not None:
+        shape += ["--trainer.devices", str(devices)]
     return [
         "fit",
         "--config",
@@ -98,10 +108,7 @@ def fit_args(out: Path, nodes: int, devices: int, steps: int = 2, *extra: str) -
         "cpu",
         "--trainer.strategy",
         "ddp",
-        "--trainer.num_nodes",
-        str(nodes),
-        "--trainer.devices",
-        str(devices),
+        *shape,
         "--trainer.max_steps",
         str(steps),
         "--trainer.default_root_dir",
@@ -196,6 +203,14 @@ def launch(
                 else:
                     raise ValueError(style)
                 cmds.append(([sys.executable, "-m", "salvage.cli", *args], env))
+    return start(cmds, out, timeout)
+
+
+def start(
+    cmds: list[tuple[list[str], dict[str, str]]], out: Path, timeout: float = 900
+) -> list[str]:
+    """Start every ``(command, environment)`` at once (in the repository root), output to
+    ``out/launch_<i>.log``; wait for all of them (see ``_wait``) and return their output."""
     out.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i, (cmd, env) in enumerate(cmds):
@@ -208,6 +223,71 @@ def launch(
                 )
             )
     return _wait(procs, logs, timeout)
+
+
+FAKE_SRUN = """#!{python}
+# srun for one machine: start SLURM_NNODES x SLURM_NTASKS_PER_NODE tasks of the command with
+# the per-task variables srun exports; exit with the worst exit status.
+import os, subprocess, sys
+
+args = sys.argv[1:]
+while args and args[0].startswith("-"):
+    args.pop(0)  # srun's own options
+nodes, per = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+procs = []
+for node in range(nodes):
+    for local in range(per):
+        env = dict(os.environ, SLURM_NODEID=str(node), SLURM_LOCALID=str(local),
+                   SLURM_PROCID=str(node * per + local), SLURM_NTASKS=str(nodes * per),
+                   SLURM_NODELIST=os.environ["SLURM_JOB_NODELIST"])
+        procs.append(subprocess.Popen(args, env=env))
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def fake_slurm(bin_dir: Path) -> Path:
+    """``srun`` and ``scontrol`` for this machine in ``bin_dir`` (put it first on ``PATH``):
+    every "node" of the job is 127.0.0.1."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN.replace("{python}", sys.executable))
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\n# scontrol show hostnames LIST\necho 127.0.0.1\n")
+    for f in (srun, scontrol):
+        f.chmod(0o755)
+    return bin_dir
+
+
+def sbatch_env(capture: Path, nodes: int, tasks_per_node: int, bin_dir: Path) -> dict[str, str]:
+    """The environment ``sbatch --nodes N --ntasks-per-node T`` gives the batch script."""
+    env = _base_env(capture)
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="salvage-fit",
+        SLURM_JOB_NODELIST="127.0.0.1",
+        SLURM_NNODES=str(nodes),
+        SLURM_NTASKS=str(nodes * tasks_per_node),
+        SLURM_NTASKS_PER_NODE=str(tasks_per_node),
+        SLURM_CPUS_PER_TASK="1",
+        MASTER_PORT=str(free_port()),
+        SALVAGE=f"{sys.executable} -m salvage.cli",
+    )
+    return env
+
+
+def torchrun_env(capture: Path, nodes: int, node: int, gpus: int, port: int) -> dict[str, str]:
+    """The variables ``scripts/torchrun_fit.sh`` reads on node ``node``."""
+    env = _base_env(capture)
+    env.update(
+        NNODES=str(nodes),
+        NODE_RANK=str(node),
+        GPUS_PER_NODE=str(gpus),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+    )
+    return env
 
 
 def slurm_env(nodes: int, tasks_per_node: int, node: int, local: int) -> dict[str, str]:

@@ -12,6 +12,9 @@ Lightning starting the local processes):
 - global rank 0 alone writes the run: one ``version_0`` with one ``metrics.csv`` (the same
   rewards and losses as one node), one ``last.ckpt``, one W&B run.
 
+The launch recipes in ``scripts/`` (SLURM batch script, torchrun per node) run the same way:
+the batch script with the variables ``sbatch`` sets and an ``srun`` that starts the tasks here.
+
 Every run starts 2-4 processes of a few seconds of imports each: ~45 s (2 x 1) and
 ~90 s (2 x 2) on a loaded 2-core machine, hence ``slow``.
 """
@@ -25,7 +28,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multinode import launch
+from tests.multinode import (
+    fake_slurm,
+    fit_args,
+    free_port,
+    launch,
+    sbatch_env,
+    start,
+    torchrun_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -137,3 +148,32 @@ def test_two_nodes_of_two_processes_equal_one_node_of_four(style, one_node, tmp_
     (torchrun agents, one command per node starting its second process, or srun's tasks)."""
     launch(style, tmp_path, 2, 2)
     _check_like_one_node(tmp_path, one_node(4), style, 2, 2)
+
+
+# ----------------------------------------------------------------------------- launch recipes
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def test_slurm_batch_script_on_two_nodes(one_node, tmp_path):
+    """``scripts/slurm_fit.sbatch`` as ``sbatch --nodes 2 --ntasks-per-node 1`` runs it:
+    ``MASTER_ADDR`` from ``scontrol show hostnames``, ``--trainer.num_nodes`` /
+    ``--trainer.devices`` from the job, and ``srun``'s tasks (an ``srun`` for this machine)."""
+    env = sbatch_env(tmp_path / "capture", 2, 1, fake_slurm(tmp_path / "bin"))
+    args = fit_args(tmp_path, None, None)[1:]  # the script adds fit and the job's shape
+    start([(["bash", str(SCRIPTS / "slurm_fit.sbatch"), *args], env)], tmp_path)
+    _check_like_one_node(tmp_path, one_node(2), "slurm", 2, 1)
+
+
+def test_torchrun_script_on_two_nodes(one_node, tmp_path):
+    """``scripts/torchrun_fit.sh`` once per node (``NODE_RANK`` 0 and 1, one process each)."""
+    port = free_port()
+    args = fit_args(tmp_path, None, None)[1:]
+    cmds = [
+        (
+            ["bash", str(SCRIPTS / "torchrun_fit.sh"), *args],
+            torchrun_env(tmp_path / "capture", 2, node, 1, port),
+        )
+        for node in (0, 1)
+    ]
+    start(cmds, tmp_path)
+    _check_like_one_node(tmp_path, one_node(2), "torchrun", 2, 1)
