@@ -127,6 +127,7 @@ def _check_like_one_node(run: Path, ref: Path, style: str, nodes: int, devices: 
     init = load_model(PolicySpec("tiny")).state_dict()
     moved = max(float((p["policy." + k] - v).abs().max()) for k, v in init.items())
     assert moved > 1e-4, "the updates did not train anything"
+    print(f"{style} {nodes} x {devices}: parameters equal one node; moved up to {moved:.2e}")
     return moved
 
 
