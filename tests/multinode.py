@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,8 @@ from salvage.types import RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURE_VAR = "SALVAGE_TEST_CAPTURE"
+DIE_VAR = "SALVAGE_TEST_DIE"
+"""``RANK:STEP``: global rank RANK kills itself (SIGKILL) when step STEP starts."""
 _LAUNCH_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
     "MASTER_ADDR", "MASTER_PORT",
@@ -59,7 +62,7 @@ class OddLength(Reward):
 class Capture(L.Callback):
     """Write ``tasks_<global rank>_<step>.json`` (the task ids of the rank's rollout batch)
     and ``ranks_<global rank>.json`` (global / local / node rank, world size) into
-    ``$SALVAGE_TEST_CAPTURE``."""
+    ``$SALVAGE_TEST_CAPTURE``; with ``$SALVAGE_TEST_DIE`` set, kill that rank at that step."""
 
     def __init__(self) -> None:
         self.out = Path(os.environ[CAPTURE_VAR])
@@ -78,6 +81,9 @@ class Capture(L.Callback):
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
+        die = os.environ.get(DIE_VAR)
+        if die and tuple(map(int, die.split(":"))) == (trainer.global_rank, trainer.global_step):
+            os.kill(os.getpid(), signal.SIGKILL)  # a node lost mid-run: no clean-up at all
         if isinstance(batch, RolloutBatch):
             ids = [g.task_id for g in batch.groups]
             name = f"tasks_{trainer.global_rank}_{trainer.global_step}.json"
@@ -137,8 +143,11 @@ def _base_env(capture: Path) -> dict[str, str]:
     return env
 
 
-def _wait(procs: list[subprocess.Popen[str]], logs: list[Path], timeout: float) -> list[str]:
-    """Wait for every process; on a failure or a timeout kill the rest and fail with the logs."""
+def _wait(
+    procs: list[subprocess.Popen[str]], logs: list[Path], timeout: float, check: bool = True
+) -> list[str]:
+    """Wait for every process; when one fails or the time is up, kill the rest (as
+    ``srun --kill-on-bad-exit`` and torchrun do) and, if ``check``, fail with the logs."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.poll() not in (None, 0) for p in procs):
@@ -150,7 +159,7 @@ def _wait(procs: list[subprocess.Popen[str]], logs: list[Path], timeout: float) 
             p.wait()
     texts = [log.read_text() for log in logs]
     bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    if bad:
+    if bad and check:
         msg = "\n".join(f"--- process {i} (exit {rc}):\n{texts[i][-3000:]}" for i, rc in bad)
         raise AssertionError(f"multi-node run failed: {bad}\n{msg}")
     return texts
@@ -164,12 +173,16 @@ def launch(
     *extra: str,
     steps: int = 2,
     timeout: float = 900,
+    capture: str = "capture",
+    env: dict[str, str] | None = None,
+    check: bool = True,
 ) -> list[str]:
     """Run ``salvage fit`` on ``nodes`` x ``devices`` processes started as ``style`` starts
-    them (``torchrun``, ``env``, ``node``, ``slurm``; ``single``: one command on one node, Lightning
-    starting the other local processes). Returns each started process's output."""
-    capture = out / "capture"
-    env0 = _base_env(capture)
+    them (``torchrun``, ``env``, ``node``, ``slurm``; ``single``: one command on one node,
+    Lightning starting the other local processes). ``capture``: the folder of ``out`` that
+    ``Capture`` writes to (and the prefix of the logs); ``env``: more variables for every
+    process; ``check``: fail if a process fails. Returns each started process's output."""
+    env0 = dict(_base_env(out / capture), **(env or {}))
     port = str(free_port())
     args = fit_args(out, nodes, devices, steps, *extra)
     cmds: list[tuple[list[str], dict[str, str]]] = []
@@ -203,18 +216,22 @@ def launch(
                 else:
                     raise ValueError(style)
                 cmds.append(([sys.executable, "-m", "salvage.cli", *args], env))
-    return start(cmds, out, timeout)
+    return start(cmds, out, timeout, prefix=capture, check=check)
 
 
 def start(
-    cmds: list[tuple[list[str], dict[str, str]]], out: Path, timeout: float = 900
+    cmds: list[tuple[list[str], dict[str, str]]],
+    out: Path,
+    timeout: float = 900,
+    prefix: str = "launch",
+    check: bool = True,
 ) -> list[str]:
     """Start every ``(command, environment)`` at once (in the repository root), output to
-    ``out/launch_<i>.log``; wait for all of them (see ``_wait``) and return their output."""
+    ``out/<prefix>_<i>.log``; wait for all of them (see ``_wait``) and return their output."""
     out.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i, (cmd, env) in enumerate(cmds):
-        log = out / f"launch_{i}.log"
+        log = out / f"{prefix}_{i}.log"
         logs.append(log)
         with open(log, "w") as f:
             procs.append(
@@ -222,7 +239,7 @@ def start(
                     cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True
                 )
             )
-    return _wait(procs, logs, timeout)
+    return _wait(procs, logs, timeout, check)
 
 
 FAKE_SRUN = """#!{python}

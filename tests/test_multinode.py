@@ -10,7 +10,9 @@ Lightning starting the local processes):
 - each global rank trains on the same tasks at each step, ``prompts_per_step`` (4) split
   over all ranks, not per node (a rank that took its node-local rank would repeat node 0's);
 - global rank 0 alone writes the run: one ``version_0`` with one ``metrics.csv`` (the same
-  rewards and losses as one node), one ``last.ckpt``, one W&B run.
+  rewards and losses as one node), one ``last.ckpt``, one W&B run;
+- a run whose node 1 dies mid-update resumes on both nodes (``--ckpt_path last``) to the same
+  parameters.
 
 The launch recipes in ``scripts/`` (SLURM batch script, torchrun per node) run the same way:
 the batch script with the variables ``sbatch`` sets and an ``srun`` that starts the tasks here.
@@ -149,6 +151,31 @@ def test_two_nodes_of_two_processes_equal_one_node_of_four(style, one_node, tmp_
     (torchrun agents, one command per node starting its second process, or srun's tasks)."""
     launch(style, tmp_path, 2, 2)
     _check_like_one_node(tmp_path, one_node(4), style, 2, 2)
+
+
+def test_resume_after_one_node_dies_continues_both_exactly(one_node, tmp_path):
+    """2 nodes x 1 process (torchrun): node 1's process is killed (SIGKILL) as update 2
+    starts, the job ends (the other node's processes are stopped, as torchrun and srun do);
+    the same command with ``--ckpt_path last`` resumes both nodes from update 1's
+    ``last.ckpt`` and ends at the uninterrupted one-node run's parameters, bit for bit, having
+    trained each rank on the same tasks at update 2."""
+    from tests.multinode import DIE_VAR
+
+    launch("torchrun", tmp_path, 2, 1, capture="crashed", env={DIE_VAR: "1:1"}, check=False)
+    crashed = torch.load(tmp_path / "version_0/checkpoints/last.ckpt", weights_only=False)
+    assert crashed["global_step"] == 1  # update 1 saved, update 2 never finished
+    assert not (tmp_path / "crashed" / "tasks_1_1.json").exists()
+    launch("torchrun", tmp_path, 2, 1, "--ckpt_path", "last", capture="resumed")
+    assert sorted(p.name for p in tmp_path.glob("version_*")) == ["version_0", "version_1"]
+    ref = one_node(2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "resumed" / f"tasks_{rank}_1.json").read_text())
+        assert got == _tasks(ref, 2)[(rank, 1)]
+    resumed = torch.load(tmp_path / "version_1/checkpoints/last.ckpt", weights_only=False)
+    assert resumed["global_step"] == 2
+    p, p_ref = resumed["state_dict"], _params(ref)
+    worst = max(float((p[k] - p_ref[k]).abs().max()) for k in p_ref)
+    assert worst == 0.0, f"the resumed 2-node run differs from one node by {worst:.3e}"
 
 
 # ----------------------------------------------------------------------------- launch recipes
