@@ -61,12 +61,23 @@ class OddLength(Reward):
 
 class Capture(L.Callback):
     """Write ``tasks_<global rank>_<step>.json`` (the task ids of the rank's rollout batch)
-    and ``ranks_<global rank>.json`` (global / local / node rank, world size) into
+    and ``ranks_<global rank>.json`` (global / local / node rank, world size, how many times
+    the process read the model's weights) into
     ``$SALVAGE_TEST_CAPTURE``; with ``$SALVAGE_TEST_DIE`` set, kill that rank at that step."""
 
     def __init__(self) -> None:
         self.out = Path(os.environ[CAPTURE_VAR])
         self.out.mkdir(parents=True, exist_ok=True)
+        self.loads = 0  # real weights read by this process (GRPO's load_model, still called)
+        from salvage.modules import grpo
+
+        real = grpo.load_model
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            self.loads += 1
+            return real(*a, **kw)
+
+        grpo.load_model = counted  # type: ignore[assignment]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         ranks = {
@@ -75,6 +86,7 @@ class Capture(L.Callback):
             "node": trainer.node_rank,
             "world": trainer.world_size,
             "cluster": type(trainer.strategy.cluster_environment).__name__,
+            "weight_loads": self.loads,
         }
         (self.out / f"ranks_{trainer.global_rank}.json").write_text(json.dumps(ranks))
 
@@ -97,10 +109,20 @@ def free_port() -> int:
 
 
 def fit_args(
-    out: Path, nodes: int | None, devices: int | None, steps: int = 2, *extra: str
+    out: Path,
+    nodes: int | None,
+    devices: int | None,
+    steps: int = 2,
+    *extra: str,
+    fsdp: bool = False,
 ) -> list[str]:
-    """``salvage fit`` of GRPO on ``tiny`` (configs/grpo/math_tiny.yaml), DDP on CPU; without
-    ``--trainer.num_nodes`` / ``--trainer.devices`` when None (a launch script sets them)."""
+    """``salvage fit`` of GRPO on ``tiny`` (configs/grpo/math_tiny.yaml), DDP on CPU (``fsdp``:
+    FSDP2, ``configs/trainer/fsdp.yaml`` in float32); without ``--trainer.num_nodes`` /
+    ``--trainer.devices`` when None (a launch script sets them)."""
+    strategy = ["--trainer.strategy", "ddp"]
+    if fsdp:
+        strategy = ["--config", "configs/trainer/fsdp.yaml"]
+        strategy += ["--model.init_args.fsdp.param_dtype", "float32"]
     shape: list[str] = []
     if nodes is not None:
         shape += ["--trainer.num_nodes", str(nodes)]
@@ -110,10 +132,9 @@ def fit_args(
         "fit",
         "--config",
         "configs/grpo/math_tiny.yaml",
+        *strategy,
         "--trainer.accelerator",
         "cpu",
-        "--trainer.strategy",
-        "ddp",
         *shape,
         "--trainer.max_steps",
         str(steps),
@@ -176,15 +197,16 @@ def launch(
     capture: str = "capture",
     env: dict[str, str] | None = None,
     check: bool = True,
+    fsdp: bool = False,
 ) -> list[str]:
     """Run ``salvage fit`` on ``nodes`` x ``devices`` processes started as ``style`` starts
     them (``torchrun``, ``env``, ``node``, ``slurm``; ``single``: one command on one node,
     Lightning starting the other local processes). ``capture``: the folder of ``out`` that
     ``Capture`` writes to (and the prefix of the logs); ``env``: more variables for every
-    process; ``check``: fail if a process fails. Returns each started process's output."""
+    process; ``check``: fail if a process fails; ``fsdp``: FSDP2 instead of DDP. Returns each started process's output."""
     env0 = dict(_base_env(out / capture), **(env or {}))
     port = str(free_port())
-    args = fit_args(out, nodes, devices, steps, *extra)
+    args = fit_args(out, nodes, devices, steps, *extra, fsdp=fsdp)
     cmds: list[tuple[list[str], dict[str, str]]] = []
     if style == "single":
         assert nodes == 1

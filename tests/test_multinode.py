@@ -11,6 +11,7 @@ Lightning starting the local processes):
   over all ranks, not per node (a rank that took its node-local rank would repeat node 0's);
 - global rank 0 alone writes the run: one ``version_0`` with one ``metrics.csv`` (the same
   rewards and losses as one node), one ``last.ckpt``, one W&B run;
+- under FSDP2 only global rank 0 reads the weights (DDP: every rank);
 - a run whose node 1 dies mid-update resumes on both nodes (``--ckpt_path last``) to the same
   parameters.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,22 +58,34 @@ WANDB_FILES = {"wandb", "wandb_run.json"}
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
-    """One node, world size 2 and 4: ``salvage fit --trainer.devices W`` (Lightning starts W)."""
-    runs: dict[int, Path] = {}
+    """One node, world size 2 and 4: ``salvage fit --trainer.devices W`` (Lightning starts W);
+    ``fsdp``: under FSDP2."""
+    runs: dict[tuple[int, bool], Path] = {}
 
-    def get(world: int) -> Path:
-        if world not in runs:
-            out = tmp_path_factory.mktemp(f"one_node_{world}")
-            launch("single", out, 1, world)
-            runs[world] = out
-        return runs[world]
+    def get(world: int, fsdp: bool = False) -> Path:
+        if (world, fsdp) not in runs:
+            out = tmp_path_factory.mktemp(f"one_node_{world}{'_fsdp' if fsdp else ''}")
+            launch("single", out, 1, world, fsdp=fsdp)
+            runs[(world, fsdp)] = out
+        return runs[(world, fsdp)]
 
     return get
 
 
 def _params(run: Path) -> dict[str, torch.Tensor]:
+    """The policy's parameters in the run's one ``last.ckpt`` (a file under DDP; under FSDP2
+    a distributed checkpoint, one shard per rank, merged by ``salvage export``)."""
     ckpts = list(run.rglob("*.ckpt"))
     assert [c.relative_to(run).as_posix() for c in ckpts] == ["version_0/checkpoints/last.ckpt"]
+    if ckpts[0].is_dir():
+        from transformers import AutoModelForCausalLM
+
+        from salvage.export import export
+
+        assert torch.load(ckpts[0] / "meta.pt", weights_only=True)["global_step"] == 2
+        hf = export(ckpts[0], tempfile.mkdtemp(prefix="hf_", dir=run))
+        sd = AutoModelForCausalLM.from_pretrained(hf).state_dict()
+        return {"policy." + k: v for k, v in sd.items()}
     ckpt = torch.load(ckpts[0], map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 2
     return ckpt["state_dict"]
@@ -97,9 +111,11 @@ def _tasks(run: Path, world: int) -> dict[tuple[int, int], list[str]]:
 def _check_like_one_node(run: Path, ref: Path, style: str, nodes: int, devices: int) -> float:
     """Everything the module docstring lists; returns how far the parameters moved."""
     world = nodes * devices
+    loads: dict[int, int] = {}
     # the ranks as Lightning saw them: global = node * devices + local
     for rank in range(world):
         got = json.loads((run / "capture" / f"ranks_{rank}.json").read_text())
+        loads[rank] = got.pop("weight_loads")
         node, local = divmod(rank, devices)
         assert got == {
             "global": rank,
@@ -129,6 +145,9 @@ def _check_like_one_node(run: Path, ref: Path, style: str, nodes: int, devices: 
     init = load_model(PolicySpec("tiny")).state_dict()
     moved = max(float((p["policy." + k] - v).abs().max()) for k, v in init.items())
     assert moved > 1e-4, "the updates did not train anything"
+    # DDP: every rank reads the weights (policy, reference); FSDP2: global rank 0 alone
+    ddp = not (run / "version_0" / "checkpoints" / "last.ckpt").is_dir()
+    assert loads == {r: 2 if ddp or r == 0 else 0 for r in range(world)}, loads
     print(f"{style} {nodes} x {devices}: parameters equal one node; moved up to {moved:.2e}")
     return moved
 
@@ -151,6 +170,16 @@ def test_two_nodes_of_two_processes_equal_one_node_of_four(style, one_node, tmp_
     (torchrun agents, one command per node starting its second process, or srun's tasks)."""
     launch(style, tmp_path, 2, 2)
     _check_like_one_node(tmp_path, one_node(4), style, 2, 2)
+
+
+def test_fsdp2_on_two_nodes_equals_one_node_and_reads_the_weights_once(one_node, tmp_path):
+    """FSDP2 (``configs/trainer/fsdp.yaml``, float32) on 2 nodes x 1 process (torchrun): the
+    same update as one node of 2, and only global rank 0 (node 0) reads the weights; the
+    distributed ``last.ckpt`` holds one shard per rank and merges (``salvage export``)."""
+    launch("torchrun", tmp_path, 2, 1, fsdp=True)
+    ckpt = tmp_path / "version_0" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
+    _check_like_one_node(tmp_path, one_node(2, fsdp=True), "torchrun", 2, 1)
 
 
 def test_resume_after_one_node_dies_continues_both_exactly(one_node, tmp_path):
