@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -79,6 +80,61 @@ def test_launcher_variables_come_from_the_live_group():
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "4"
     assert changed == {"RANK": ("0", "3"), "LOCAL_RANK": (None, "1")}
     assert launcher_env(env, rank=3, local_rank=1) == {}
+    assert launcher_env(env, rank=3, local_rank=1, world_size=4) == {}
+    assert launcher_env(env, rank=3, local_rank=1, world_size=8) == {"WORLD_SIZE": ("4", "8")}
+
+
+def _node1_of_two(launcher: str, visible: str) -> dict[str, str]:
+    """The variables of the second process of node 1 in a 2-node x 2-process world.
+
+    ``torchrun``: what its elastic agent exports; ``slurm``: what ``srun`` exports (no
+    ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``). ``visible``: ``all`` (both GPUs of the node
+    visible to each process) or ``one`` (one GPU per task, e.g. ``--gpus-per-task 1``)."""
+    env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    if launcher == "torchrun":
+        env.update(
+            TORCHELASTIC_RUN_ID="job", RANK="3", LOCAL_RANK="1", WORLD_SIZE="4",
+            GROUP_RANK="1", LOCAL_WORLD_SIZE="2",
+        )  # fmt: skip
+    else:
+        env.update(
+            SLURM_NTASKS="4", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="2", SLURM_PROCID="3",
+            SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_JOB_NAME="salvage", SLURM_JOB_ID="77",
+        )  # fmt: skip
+    env["CUDA_VISIBLE_DEVICES"] = "0,1" if visible == "all" else "1"
+    return env
+
+
+@pytest.mark.parametrize("visible", ["all", "one"])
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_launcher_variables_on_node_1_of_a_two_node_world(launcher, visible, monkeypatch):
+    """Rank 3 of 4 (node 1, its second process): the external launcher is told the *global*
+    rank, the world size and the device the rank trains on, whichever launcher started it.
+
+    The ranks come from Lightning's own cluster environment for those variables (the one its
+    trainer picks), the device index as Lightning sets it: ``parallel_devices[local_rank]``
+    of the GPUs this process sees (one visible GPU: device 0)."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    env = _node1_of_two(launcher, visible)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC"))]:
+        monkeypatch.delenv(name)
+    for name, val in env.items():
+        monkeypatch.setenv(name, val)
+    cluster = TorchElasticEnvironment() if launcher == "torchrun" else SLURMEnvironment()
+    assert type(cluster).detect()
+    rank, local, world = cluster.global_rank(), cluster.local_rank(), cluster.world_size()
+    assert (rank, local, world, cluster.node_rank()) == (3, 1, 4, 1)
+    device = local if visible == "all" else 0  # torch.cuda.current_device() after set_device
+    changed = launcher_env(env, rank, device, world)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("3", str(device), "4")
+    if launcher == "torchrun":  # torchrun's own variables are right, but for the device
+        assert changed == ({} if visible == "all" else {"LOCAL_RANK": ("1", "0")})
+    if launcher == "slurm":
+        assert changed["RANK"] == (None, "3") and changed["WORLD_SIZE"] == (None, "4")
+    assert env["MASTER_ADDR"] == "node0" and env["MASTER_PORT"] == "29500"
 
 
 # -- sampling ----------------------------------------------------------------------

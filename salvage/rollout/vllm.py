@@ -23,8 +23,8 @@ every vLLM call below was checked by reading vLLM's source, not by running it.
   freed, so no rank builds a second full copy besides vLLM's own. Every rank calls
   ``prepare()`` at the start of each rollout phase (the all-gathers are collectives).
 - **Ranks.** With more than one training rank, one engine per rank joins the live
-  process group through vLLM's ``external_launcher`` (``RANK`` / ``LOCAL_RANK`` set from
-  the group and the rank's CUDA device); with one rank, vLLM's in-process executor.
+  process group through vLLM's ``external_launcher`` (``RANK`` / ``WORLD_SIZE`` set from
+  the group, ``LOCAL_RANK`` from the rank's CUDA device); with one rank, vLLM's in-process executor.
 - **Sampling.** n samples per prompt; request seeds spaced by n (vLLM seeds sample j
   with ``seed + j``); greedy asks for one sample and copies it n times; temperature in
   [0, 2] (not in (0, 0.01)); stop strings kept in the text; token ids in and out.
@@ -486,7 +486,9 @@ def _build_backend(
     live = dist.is_available() and dist.is_initialized()
     backend_name = executor_backend(live, dist.get_world_size() if live else 1)
     if backend_name is not None:
-        changed = launcher_env(os.environ, dist.get_rank(), torch.cuda.current_device())
+        changed = launcher_env(
+            os.environ, dist.get_rank(), torch.cuda.current_device(), dist.get_world_size()
+        )
         for var, (old, new) in changed.items():
             log.info("vLLM external launcher: %s=%s (was %r)", var, new, old)
         kwargs["distributed_executor_backend"] = backend_name

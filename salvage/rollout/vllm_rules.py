@@ -8,8 +8,8 @@ are in that module's docstring).
 - **In-process engine.** :func:`require_in_process`: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
   before the first ``LLM()``; a user setting that contradicts it is an error.
 - **Launcher.** :func:`executor_backend` / :func:`launcher_env`: ``external_launcher``
-  only when the live process group has more than one rank, with ``RANK`` and
-  ``LOCAL_RANK`` taken from it.
+  only when the live process group has more than one rank, with ``RANK`` (global),
+  ``LOCAL_RANK`` (the device index) and ``WORLD_SIZE`` taken from it.
 - **Sleep mode.** :class:`EngineRegistry`: one sleep-mode engine per process (vLLM's
   ``CuMemAllocator`` is a per-process singleton); engines of the same live model share
   one ``LLM`` (evaluation reuses the training engine).
@@ -105,14 +105,21 @@ def executor_backend(dist_initialized: bool, world_size: int) -> str | None:
 
 
 def launcher_env(
-    environ: MutableMapping[str, str], rank: int, local_rank: int
+    environ: MutableMapping[str, str], rank: int, local_rank: int, world_size: int | None = None
 ) -> dict[str, tuple[str | None, str]]:
     """Set ``RANK`` and ``LOCAL_RANK`` (read by vLLM's external launcher) from the live group.
 
-    ``local_rank`` is the CUDA device index this rank trains on (vLLM puts the engine on
-    ``cuda:LOCAL_RANK``). Returns ``{name: (old, new)}`` for every variable it changed."""
+    ``rank`` is the *global* rank (``dist.get_rank()``), ``local_rank`` the CUDA device index
+    this rank trains on (vLLM puts the engine on ``cuda:LOCAL_RANK``): on node 1 of a 2 x 2
+    world, global rank 3 on device 1, or device 0 when the launcher gives each process one
+    visible GPU. ``world_size`` (the live group's) also sets ``WORLD_SIZE``, completing the
+    ``env://`` variables a launcher such as SLURM does not set (Lightning sets ``MASTER_ADDR``
+    / ``MASTER_PORT``). Returns ``{name: (old, new)}`` for every variable it changed."""
+    wanted = [("RANK", str(rank)), ("LOCAL_RANK", str(local_rank))]
+    if world_size is not None:
+        wanted.append(("WORLD_SIZE", str(world_size)))
     changed: dict[str, tuple[str | None, str]] = {}
-    for name, val in (("RANK", str(rank)), ("LOCAL_RANK", str(local_rank))):
+    for name, val in wanted:
         old = environ.get(name)
         if old != val:
             environ[name] = val
