@@ -7,6 +7,9 @@ For every run dir with ``done.json`` (and the calibration runs under ``_calibrat
 relay records gzipped (``exchange.jsonl.gz``, ``relays.jsonl.gz``); no checkpoints. Also the
 study's ``study.json`` and ``regime.json``, and ``status.json``: which runs are done,
 stopped (a checkpoint but no ``done.json``) or not started. Rerun it as runs finish.
+Absolute paths of the machine (``--strip``, default the current directory and the Python
+executable's environment) are cut from the text files copied, so the record names
+repository-relative paths (``python`` for the interpreter).
 """
 
 from __future__ import annotations
@@ -14,15 +17,32 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import shutil
+import sys
 from pathlib import Path
 
 
-def record(study_dir: Path, out: Path) -> dict[str, list[str]]:
+def _strip(text: str, prefixes: list[str]) -> str:
+    python = str(Path(sys.executable))
+    text = text.replace(python, "python")
+    for p in sorted(prefixes, key=len, reverse=True):
+        text = text.replace(p.rstrip("/") + "/", "")
+    return text
+
+
+def _copy(src: Path, dst: Path, prefixes: list[str], gz: bool = False) -> None:
+    text = _strip(src.read_text(encoding="utf-8", errors="replace"), prefixes)
+    if gz:
+        with gzip.open(dst, "wt", encoding="utf-8") as g:
+            g.write(text)
+    else:
+        dst.write_text(text, encoding="utf-8")
+
+
+def record(study_dir: Path, out: Path, prefixes: list[str]) -> dict[str, list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("study.json", "regime.json"):
         if (study_dir / name).is_file():
-            shutil.copy2(study_dir / name, out / name)
+            _copy(study_dir / name, out / name, prefixes)
     spec = json.loads((study_dir / "study.json").read_text(encoding="utf-8"))
     status: dict[str, list[str]] = {"done": [], "stopped": [], "not_started": []}
     runs = [Path(k) for k in spec["runs"]]
@@ -38,20 +58,16 @@ def record(study_dir: Path, out: Path) -> dict[str, list[str]]:
             status["done"].append(str(rel))
         dst = out / rel
         dst.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / "done.json", dst / "done.json")
+        _copy(src / "done.json", dst / "done.json", prefixes)
         for version in sorted(src.glob("version_*")):
             vdst = dst / version.name
             vdst.mkdir(exist_ok=True)
             for name in ("metrics.csv", "config.yaml"):
                 if (version / name).is_file():
-                    shutil.copy2(version / name, vdst / name)
+                    _copy(version / name, vdst / name, prefixes)
             for name in ("exchange.jsonl", "relays.jsonl"):
                 if (version / name).is_file():
-                    with (
-                        (version / name).open("rb") as f,
-                        gzip.open(vdst / f"{name}.gz", "wb") as g,
-                    ):
-                        shutil.copyfileobj(f, g)
+                    _copy(version / name, vdst / f"{name}.gz", prefixes, gz=True)
     (out / "status.json").write_text(json.dumps(status, indent=2) + "\n", encoding="utf-8")
     return status
 
@@ -60,8 +76,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("study_dir", help="the study dir (salvage study --out)")
     p.add_argument("out", help="where the record goes, e.g. docs/results/<study>/runs")
+    p.add_argument(
+        "--strip",
+        action="append",
+        default=None,
+        help="an absolute path prefix to cut from the copied text (repeatable; default: the "
+        "current directory)",
+    )
     a = p.parse_args()
-    s = record(Path(a.study_dir), Path(a.out))
+    s = record(Path(a.study_dir), Path(a.out), a.strip or [str(Path.cwd())])
     print(", ".join(f"{k}: {len(v)}" for k, v in s.items()))
 
 
