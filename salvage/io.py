@@ -1,4 +1,5 @@
-"""File writes that a crash cannot leave half-done."""
+"""File I/O shared by the shell: writes a crash cannot leave half-done, text decoding that
+names the file and line on bad input."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+
+from salvage.errors import DataError
 
 
 def _umask() -> int:
@@ -46,3 +49,15 @@ def atomic_write_text(path: str | Path, text: str, newline: str | None = None) -
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def utf8_text(raw: bytes, what: str, hint: str = "") -> str:
+    """``raw`` decoded as UTF-8; a ``DataError`` naming ``what`` (e.g. "metrics file 'x'"),
+    the offending byte and its line otherwise (``hint``: appended, e.g. how to fix it)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{what} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}){hint}"
+        ) from None

@@ -28,6 +28,7 @@ from typing import Any
 
 from salvage.core.peers import transfer_matrix
 from salvage.errors import ConfigError, DataError, MissingFileError
+from salvage.io import utf8_text
 
 
 def _newest(run_dir: Path, name: str) -> Path | None:
@@ -67,14 +68,7 @@ def _csv_rows(path: Path) -> list[dict[str, Any]]:
         raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"metrics file {str(path)!r} cannot be read: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(
-            f"metrics file {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line "
-            f"{line})"
-        ) from None
+    text = utf8_text(raw, f"metrics file {str(path)!r}")
     try:
         return list(csv.DictReader(io.StringIO(text, newline="")))
     except csv.Error as e:

@@ -561,12 +561,6 @@ def calibration_runs(study: Study, out: Path) -> list[Run]:
     return runs
 
 
-def calibration_run(study: Study, out: Path) -> Run | None:
-    """The regime method's calibration run (the first of ``calibration_runs``)."""
-    runs = calibration_runs(study, out)
-    return runs[0] if runs else None
-
-
 def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -> list[Verdict]:
     """Each criterion on a run's metrics (``salvage.compare.read_run``: metric -> {step: value}).
 

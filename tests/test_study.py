@@ -133,7 +133,7 @@ def test_regime_block_errors_name_the_file_key_and_value(tmp_path, regime, match
 
 
 def test_regime_block_defaults_and_the_calibration_run(tmp_path):
-    from salvage.study import calibration_run
+    from salvage.study import calibration_runs
 
     f = _write(
         tmp_path / "s.yaml",
@@ -151,7 +151,7 @@ def test_regime_block_defaults_and_the_calibration_run(tmp_path):
     assert study.regime.criteria[0].describe() == (
         "mean rollout/zero_signal_frac over updates 1-3 >= 0.6"
     )
-    cal = calibration_run(study, tmp_path / "o")
+    (cal,) = calibration_runs(study, tmp_path / "o")
     record = next(r for r in plan(study, tmp_path / "o") if (r.method, r.seed) == ("b", 4))
     assert cal is not None and cal.calibration
     assert cal.dir == tmp_path / "o" / "_calibration" / "b" / "seed4"

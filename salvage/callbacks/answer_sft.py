@@ -105,7 +105,8 @@ class AnswerSFT(OracleSFT):
         }
         for src, label in zip(sources, source_labels(sources, "AnswerSFT.data"), strict=True):
             tasks, _ = load_math_tasks(src, label)
-            seen = [(t.id, heldout[task_digest(t)]) for t in tasks if task_digest(t) in heldout]
+            digests = [(t.id, task_digest(t)) for t in tasks]
+            seen = [(tid, heldout[d]) for tid, d in digests if d in heldout]
             if seen and not dm.allow_overlap:
                 tid, (split, held) = seen[0]
                 raise ConfigError(

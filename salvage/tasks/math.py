@@ -30,6 +30,7 @@ from typing import Any
 
 from salvage.core.heldout import in_digest_part, text_digest
 from salvage.errors import ConfigError, DataError, MissingFileError
+from salvage.io import utf8_text
 
 log = logging.getLogger(__name__)
 
@@ -424,14 +425,7 @@ def _jsonl_rows(path: Path) -> tuple[list[str], list[Any]]:
             f"data source {str(path)!r} is not a text file (it holds NUL bytes: binary, or "
             "UTF-16); save it as UTF-8 JSON lines"
         )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(
-            f"data source {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line "
-            f"{line}); save it as UTF-8 JSON lines"
-        ) from None
+    text = utf8_text(raw, f"data source {str(path)!r}", "; save it as UTF-8 JSON lines")
     where: list[str] = []
     rows: list[Any] = []
     for n, record in enumerate(text.split("\n"), 1):
