@@ -241,3 +241,52 @@ def test_oracle_sft_refuses_a_max_new_tokens_too_short_for_the_oracle_actions(tm
     with pytest.raises(ConfigError, match=r"data\.engine\.max_new_tokens=24.*>= 2[5-9]"):
         fit(24)
     assert fit(32).done  # long enough: the warm start runs
+
+
+def test_oracle_sft_plays_its_episodes_in_chunks_reusing_the_instances(tmp_path):
+    """Regression: a 256-episode warm start on twc was OOM-killed because every oracle
+    episode held its own TextWorld-Express instance at once. Chunks of ``chunk_size`` reuse
+    the released instances: the same demonstrations, at most ``chunk_size`` instances."""
+    _needs_twx()
+    import lightning as L
+
+    from salvage.callbacks.sft import OracleSFT
+    from salvage.datamodules.agent import AgentDataModule, EnvSpec
+    from salvage.models import PolicySpec
+    from salvage.modules.grpo import GRPOModule
+    from salvage.rollout.config import EngineConfig
+
+    class Seen(OracleSFT):
+        def demonstrations(self, trainer):
+            self.pairs = super().demonstrations(trainer)
+            host = trainer.datamodule.pool._local
+            self.instances = len(host.envs) + len(host.free)
+            return self.pairs
+
+    def fit(chunk: int) -> Seen:
+        sft = Seen(episodes=5, steps=1, batch_size=2, chunk_size=chunk)
+        trainer = L.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+            callbacks=[sft],
+        )
+        data = AgentDataModule(
+            env=EnvSpec(name="twx", train_tasks={"game": "coin", "num_tasks": 3}),
+            max_turns=3,
+            tasks_per_step=1,
+            group_size=2,
+            engine=EngineConfig(max_new_tokens=32),
+        )
+        module = GRPOModule(policy=PolicySpec("tiny", vocab_size=384, seed=1), lr=1e-4)
+        trainer.fit(module, datamodule=data)
+        return sft
+
+    chunked, whole = fit(2), fit(5)
+    assert chunked.instances == 2 and whole.instances == 5
+    assert chunked.pairs == whole.pairs and len(chunked.pairs) > 0
+    with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
+        OracleSFT(chunk_size=0)

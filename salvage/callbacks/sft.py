@@ -39,6 +39,7 @@ class OracleSFT(L.Callback):
         batch_size: (prompt, response) pairs per step.
         lr: AdamW learning rate of the warm start (its own optimiser).
         seed: seed of the batch sampling.
+        chunk_size: oracle episodes played at once (each holds a live environment instance).
     """
 
     def __init__(
@@ -48,8 +49,14 @@ class OracleSFT(L.Callback):
         batch_size: int = 16,
         lr: float = 3e-3,
         seed: int = 0,
+        chunk_size: int = 32,
     ) -> None:
-        for k, v in (("episodes", episodes), ("steps", steps), ("batch_size", batch_size)):
+        for k, v in (
+            ("episodes", episodes),
+            ("steps", steps),
+            ("batch_size", batch_size),
+            ("chunk_size", chunk_size),
+        ):
             if v < 1:
                 raise ValueError(f"OracleSFT {k} must be >= 1, got {v}")
         if lr <= 0:
@@ -61,6 +68,7 @@ class OracleSFT(L.Callback):
             lr,
             seed,
         )
+        self.chunk_size = chunk_size
         self.done = False
         self.history: list[float] = []
 
@@ -75,7 +83,12 @@ class OracleSFT(L.Callback):
         dm = attached_datamodule(trainer, AgentDataModule)
         tasks = dm.tasks["train"]
         starts = [Start(tasks[i % len(tasks)], seed=i) for i in range(self.episodes)]
-        eps = dm.live_runner().run(starts, OraclePolicy(dm.fmt), seed=self.seed, train=False)
+        # played in chunks: the pool reuses released instances, so at most chunk_size
+        # environments (a TextWorld-Express JVM and planner twin each) are alive at once
+        runner, policy = dm.live_runner(), OraclePolicy(dm.fmt)
+        eps = []
+        for i in range(0, len(starts), self.chunk_size):
+            eps += runner.run(starts[i : i + self.chunk_size], policy, seed=self.seed, train=False)
         student = dm.student()
         tok = student.tokenizer
         pairs = []
