@@ -45,7 +45,7 @@ lint: install
 VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_PINS := torch==2.13.0 transformers>=5.16.1,<5.20
+VLLM_PINS := torch==2.13.0 'transformers>=5.16.1,<5.20'
 # a head size vLLM's CPU attention takes (tiny's is 16): 4 heads of 64
 VLLM_POLICY := {name_or_path: tiny, hidden_size: 256}
 VLLM_FIT := $(VBIN)/python -m salvage.cli fit --trainer.enable_progress_bar false \

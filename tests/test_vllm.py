@@ -283,3 +283,53 @@ def test_vllm_refuses_a_head_size_the_backend_cannot_serve(tiny):
     model, tok = tiny  # 4 heads of size 16
     with pytest.raises(ValueError, match=r"attention head size 16.*supports head sizes 32, 64"):
         build_engine(_cfg(), model, tok)
+
+
+def _math_fit(tmp_path, engine: EngineConfig, policy: dict):
+    """One GRPO update on two `add` prompts through ``salvage``'s own datamodule and module."""
+    import lightning as L
+
+    from salvage.datamodules.rlvr import RLVRDataModule
+    from salvage.models import PolicySpec
+    from salvage.modules.grpo import GRPOModule
+    from salvage.tasks.math import MathData
+
+    data = RLVRDataModule(
+        train=MathData(
+            size=2, seed=0, rg_kwargs={"operators": ["+"], "min_terms": 2, "max_terms": 2}
+        ),
+        prompts_per_step=1,
+        group_size=2,
+        engine=engine,
+    )
+    module = GRPOModule(policy=PolicySpec("tiny", **policy), lr=1e-4, num_minibatches=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    return data
+
+
+def test_a_fit_closes_the_engines_it_built(tmp_path):
+    """The datamodule closes its engines when the fit ends (teardown): a vLLM engine's
+    ``LLM`` and temporary checkpoint do not outlive the fit that built them."""
+    data = _math_fit(tmp_path, EngineConfig(max_new_tokens=4), {})
+    assert data.live_engines() == []
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_fit_leaves_no_temporary_checkpoint(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    data = _math_fit(tmp_path, _cfg(max_new_tokens=4), {"hidden_size": 256})
+    assert data.live_engines() == []
+    assert not list(Path(tempfile.gettempdir()).glob(SOURCE_PREFIX + "*"))

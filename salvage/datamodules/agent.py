@@ -262,6 +262,7 @@ class AgentDataModule(RolloutDataModule):
         return bool(getattr(env_class(self.env_spec.name), "reports_score", False))
 
     def teardown(self, stage: str) -> None:
+        super().teardown(stage)
         if self.pool is not None:
             self.pool.close()
             self.pool = None

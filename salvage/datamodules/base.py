@@ -299,6 +299,14 @@ class RolloutDataModule(L.LightningDataModule):
         here and gathers each around its own rollout (one full model at a time)."""
         return self.module.sampling_models()
 
+    def teardown(self, stage: str) -> None:
+        """Close the engines built for this stage (vLLM: shut the ``LLM`` down, remove its
+        temporary checkpoint); a later stage builds them again on first use."""
+        for e in self.live_engines():
+            e.close()
+        self._engine = None
+        self._engines = {}
+
     def live_engines(self) -> list[RolloutEngine]:
         """The engines built so far (the module's, and per-model ones of two-model runs)."""
         found = [self._engine, *self._engines.values()]
