@@ -46,11 +46,6 @@ VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PINS := torch==2.13.0 'transformers>=5.16.1,<5.20'
-# a head size vLLM's CPU attention takes (tiny's is 16): 4 heads of 64
-VLLM_POLICY := {name_or_path: tiny, hidden_size: 256}
-VLLM_FIT := $(VBIN)/python -m salvage.cli fit --trainer.enable_progress_bar false \
-	--trainer.logger false --data.init_args.engine.backend vllm \
-	--data.init_args.engine.vllm_dtype float32
 
 install-vllm: $(VLLM_STAMP)
 
@@ -64,15 +59,15 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# every vLLM test on vLLM's CPU build, then short fits with engine.backend vllm
+# every vLLM test on vLLM's CPU build, then the CPU-possible checks of gpu_check_vllm.py: fits
+# with engine.backend vllm (GRPO; VH-GPO with a frozen LM teacher; GRAFT's two engines) and
+# the engine checks (weight sync, seeds, greedy equal to the HF engine's, fp32 log-probs)
 test-vllm: install-vllm
 	OMP_NUM_THREADS=1 $(VBIN)/python -m pytest -q -m 'not slow and not gpu' tests/test_vllm.py tests/test_vllm_rules.py
 	rm -rf runs/test-vllm
-	OMP_NUM_THREADS=1 $(VLLM_FIT) --config configs/grpo/math_tiny.yaml --trainer.max_steps 2 \
-		--model.init_args.policy '$(VLLM_POLICY)' --trainer.default_root_dir runs/test-vllm/grpo
-	OMP_NUM_THREADS=1 $(VLLM_FIT) --config configs/vhgpo/twx_tiny.yaml --trainer.max_steps 3 \
-		--model.init_args.policy '$(VLLM_POLICY)' --trainer.default_root_dir runs/test-vllm/vhgpo
-	@echo "test-vllm: tests and fits passed"
+	OMP_NUM_THREADS=1 $(VBIN)/python benchmarks/gpu_check_vllm.py --vllm-cpu --logprob-bound 1e-4 \
+		--fit-timeout 480 --out runs/test-vllm
+	@echo "test-vllm: tests and checks passed"
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

