@@ -147,6 +147,11 @@ def fit_cmd(
         ]
         if method == "vhgpo":  # the paper's frozen LM teacher, on an engine of its own
             cmd += ["--rescue.init_args.teacher", f"{{kind: lm, policy: {policy}}}"]
+            # a shorter warm start and half the games: the check is the engines, not learning
+            sft = (
+                "{class_path: salvage.callbacks.sft.OracleSFT, init_args: {episodes: 8, steps: 20}}"
+            )
+            cmd += ["--trainer.callbacks", f"[{sft}]", "--data.init_args.tasks_per_step=4"]
     cmd += [
         f"--trainer.max_steps={steps}",
         f"--trainer.default_root_dir={out / method}",

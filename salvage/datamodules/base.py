@@ -187,6 +187,9 @@ class RolloutDataModule(L.LightningDataModule):
                 )
         if stage == "fit" and not self.heldout_overlap:
             self.check_heldout()
+        trainer = getattr(self, "trainer", None)
+        if stage == "fit" and "val" not in self.tasks and trainer is not None:
+            trainer.limit_val_batches = 0  # no validation tasks: no validation loop to run
 
     # ------------------------------------------------------------------ held-out check
     def task_digests(self, split: str) -> dict[str, str]:
