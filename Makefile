@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install test test-full demo lint clean install-vllm test-vllm
+.PHONY: install test test-slow test-full demo lint clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# the slow tests (multi-process, multi-node, study runs, learning checks); CI runs them too
+test-slow: install
+	$(BIN)/python -m pytest -q -m 'slow and not gpu and not vllm'
 
 test-full: install
 	$(BIN)/python -m pytest -q -m ''
