@@ -267,10 +267,12 @@ class RunConfigRecorder(L.Callback):
             if dirpath and trainer.is_global_zero:
                 remove_partials(dirpath)
         root = trainer.default_root_dir
+        # every rank: trainer.log_dir is a collective (a broadcast from rank 0); asked on
+        # rank 0 alone it paired with the next collective of the others and hung the run
+        log_dir = trainer.log_dir if trainer.loggers else None
         if trainer.is_global_zero:
             for v in run_versions(root):
                 remove_partials(v / "checkpoints")
-            log_dir = trainer.log_dir if trainer.loggers else None
             if log_dir and _VERSION.match(Path(log_dir).name):  # what wrote this version
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
                 name = str(getattr(stage, "value", stage))  # TrainerFn.FITTING -> "fit"
