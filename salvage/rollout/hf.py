@@ -235,12 +235,38 @@ class HFEngine:
         t0 = time.perf_counter()
         self._loop_timings = {}
         flat = [list(p) for p in prompts for _ in range(n)]
-        samples: list[Sample] = []
         check_gathered(self.model, "HFEngine.generate")
         device = next(self.model.parameters()).device
         recompute = self.recomputes(device)
         was_training = self.model.training
         self.model.eval()
+        try:
+            samples = self._sample(flat, device, seed, temperature, top_p, max_new, stop, recompute)
+        finally:
+            self.model.train(was_training)
+        t1 = time.perf_counter()
+        if recompute:
+            self._recompute(samples, temperature)
+        self.last_timings = {
+            "sample_s": t1 - t0,
+            "logprob_s": time.perf_counter() - t1,
+            **self._loop_timings,
+        }
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(
+        self,
+        flat: list[list[int]],
+        device: torch.device,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        max_new: int,
+        stop: tuple[str, ...],
+        recompute: bool,
+    ) -> list[Sample]:
+        """Every prompt row sampled, in seeded chunks of ``batch_size`` rows."""
+        samples: list[Sample] = []
         bar_ctx = stage("generate", total=len(flat), unit="seq")
         bar = bar_ctx.__enter__()
         try:
@@ -263,26 +289,20 @@ class HFEngine:
                 bar.advance(len(part))
         finally:
             bar_ctx.__exit__(None, None, None)
-            self.model.train(was_training)
+        return samples
 
-        t1 = time.perf_counter()
-        if recompute:
-            rec = response_logprobs(
-                self.model,
-                [s.prompt_ids for s in samples],
-                [s.response_ids for s in samples],
-                self.pad_id,
-                temperature=temperature if temperature > 0 else 1.0,
-                batch_size=self.logprob_batch_size,
-            )
-            for s, lp in zip(samples, rec, strict=True):
-                s.logprobs = lp
-        self.last_timings = {
-            "sample_s": t1 - t0,
-            "logprob_s": time.perf_counter() - t1,
-            **self._loop_timings,
-        }
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def _recompute(self, samples: list[Sample], temperature: float) -> None:
+        """The behaviour log-probs by a teacher-forced pass at the sampling temperature."""
+        rec = response_logprobs(
+            self.model,
+            [s.prompt_ids for s in samples],
+            [s.response_ids for s in samples],
+            self.pad_id,
+            temperature=temperature if temperature > 0 else 1.0,
+            batch_size=self.logprob_batch_size,
+        )
+        for s, lp in zip(samples, rec, strict=True):
+            s.logprobs = lp
 
     def _decode_own(
         self,
