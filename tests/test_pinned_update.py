@@ -23,7 +23,10 @@ Cases:
 - ``vhgpo_fit``: one ``fit`` step of VH-GPO with ``VerifiedHandoff`` (oracle teacher) on
   the scripted environment: the rescue search attaches the relays the update trains on;
 - ``graft``, ``sgt``, ``hacpo``: one ``fit`` step of ``GRAFTModule`` (two tiny models with
-  different tokenizers, scripted outcomes) in each mode.
+  different tokenizers, scripted outcomes) in each mode;
+- ``graft_variants``: the same with GRAFT's ablation switches (random count-matched
+  selection, pooled advantages, random admission, uniform order, LUFFY peer loss); added
+  with the GRAFT split, its numbers recorded on the code before the split as well.
 """
 
 from __future__ import annotations
@@ -385,12 +388,25 @@ def case_hacpo(tmp_path: Path) -> dict[str, float]:
     return _graft(tmp_path, mode="hacpo", restrict_to_selection=True)
 
 
+def case_graft_variants(tmp_path: Path) -> dict[str, float]:
+    return _graft(
+        tmp_path,
+        selection="random",
+        peer_advantage="pooled",
+        admission="random",
+        delta=0.05,
+        order="uniform",
+        peer_loss="luffy",
+    )
+
+
 CASES: dict[str, Callable[[Path], dict[str, float]]] = {
     "grpo": case_grpo,
     "grpo_unpacked": case_grpo_unpacked,
     "vhgpo": case_vhgpo,
     "vhgpo_fit": case_vhgpo_fit,
     "graft": case_graft,
+    "graft_variants": case_graft_variants,
     "sgt": case_sgt,
     "hacpo": case_hacpo,
 }
@@ -443,6 +459,51 @@ PINNED: dict[str, dict[str, float]] = {
         "metric/graft/weight_mean": 0.5,
         "metric/graft/admitted_frac": 0.5,
         "metric/graft/peer_clip_frac": 0.078125,
+    },
+    "graft_variants": {
+        "a/param/sum": 312.2651815911231,
+        "a/param/sumsq": 362.6612221092828,
+        "a/param/delta_abs": 79.43935179057581,
+        "a/param/delta_sq": 0.0590830886565039,
+        "a/param/model.layers.0.self_attn.q_proj.weight[0, 0]": 0.03149421513080597,
+        "a/param/model.layers.1.mlp.down_proj.weight[1, 2]": 0.02987067401409149,
+        "a/param/model.layers.1.input_layernorm.weight[3]": 1.000744104385376,
+        "a/param/model.norm.weight[0]": 0.9992559552192688,
+        "b/param/sum": 318.213075856911,
+        "b/param/sumsq": 360.774329592655,
+        "b/param/delta_abs": 329.2729674616882,
+        "b/param/delta_sq": 1.0994050204339227,
+        "b/param/model.layers.0.self_attn.q_proj.weight[0, 0]": -0.01811813749372959,
+        "b/param/model.layers.1.mlp.down_proj.weight[1, 2]": 0.008055428974330425,
+        "b/param/model.layers.1.input_layernorm.weight[3]": 0.996660053730011,
+        "b/param/model.norm.weight[0]": 0.996660053730011,
+        "grad/0/abs": 0.0,
+        "grad/0/sq": 0.0,
+        "grad/1/abs": 78.38386394618948,
+        "grad/1/sq": 0.6388947781221238,
+        "grad/2/abs": 95.19954644306912,
+        "grad/2/sq": 0.9305815583885573,
+        "grad/3/abs": 0.0,
+        "grad/3/sq": 0.0,
+        "metric/a/loss/policy": -0.06142975389957428,
+        "metric/a/loss/total": -0.06142975389957428,
+        "metric/a/loss/clip_frac": 0.0,
+        "metric/a/loss/peer_clip_frac": 0.0,
+        "metric/a/loss/ratio_mean": 1.0,
+        "metric/a/train/grad_norm": 0.39965397119522095,
+        "metric/b/loss/policy": -3.3298683255189587e-10,
+        "metric/b/loss/total": -3.3298683255189587e-10,
+        "metric/b/loss/clip_frac": 0.0,
+        "metric/b/loss/peer_clip_frac": 0.0,
+        "metric/b/loss/ratio_mean": 0.9939965605735779,
+        "metric/b/train/grad_norm": 0.48233282566070557,
+        "metric/graft/transferred_a_to_b": 1.0,
+        "metric/graft/transferred_b_to_a": 1.0,
+        "metric/graft/complementary_a_to_b": 1.0,
+        "metric/graft/complementary_b_to_a": 1.0,
+        "metric/graft/weight_mean": 0.865932285785675,
+        "metric/graft/admitted_frac": 1.0,
+        "metric/graft/peer_clip_frac": 0.0,
     },
     "grpo": {
         "policy/param/sum": 310.6464241457279,
