@@ -43,13 +43,14 @@ from salvage.core.exchange import (
 )
 from salvage.core.graft import (
     Transfers,
-    check_settings,
     plan_minibatches,
     random_admission,
     select_transfers,
+    settings_error,
 )
 from salvage.core.seeds import GRAFT_EXCHANGE, step_seed
 from salvage.distributed import FSDPConfig, gathered
+from salvage.errors import ConfigError
 from salvage.lm import DEFAULT_LOGPROB_CHUNK, response_logprobs
 from salvage.models import PolicySpec
 from salvage.modules.cotrain import NAMES, CoTrainModule
@@ -176,7 +177,7 @@ class GRAFTModule(CoTrainModule):
         length_aware_micro_batches: bool = True,
     ) -> None:
         super().__init__()
-        check_settings(
+        why = settings_error(
             balance=balance,
             order=order,
             delta=delta,
@@ -193,6 +194,8 @@ class GRAFTModule(CoTrainModule):
             hacpo_peer_high=hacpo_peer_high,
             restrict_to_selection=restrict_to_selection,
         )
+        if why is not None:
+            raise ConfigError(why)
         self.automatic_optimization = False
         self._common: dict[str, Any] = dict(
             weight_decay=weight_decay,
