@@ -25,64 +25,56 @@ accounting each step and cumulatively, and appends one record per searched group
 
 Rollout seeds identify rollouts (discovery and confirmation streams never share one);
 the batched engine draws all rows of one call from one seeded stream.
+
+Layout: the shared shell (selection, accounting, records, the teacher) is
+``salvage.callbacks.rescue``, the search's per-group state and its relay data
+``salvage.callbacks.relay_data``, ``ExtraStudentRollouts`` ``salvage.callbacks.extra_rollouts``;
+``VerifiedHandoff``'s search driver is here. Every name is importable from here.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import lightning as L
-import torch
 
-from salvage.core.agent import parse_action
+from salvage.callbacks.extra_rollouts import ExtraStudentRollouts
+from salvage.callbacks.relay_data import (
+    GroupSearch,
+    episode_path,
+    outcome_of,
+    relay_of,
+    search_record,
+)
+from salvage.callbacks.rescue import (
+    RescueCallback,
+    TeacherSpec,
+    _Accounting,
+    _data,
+    _learner,
+    frozen_lm_policy,
+)
 from salvage.core.relay import (
     RANDOM_EMPTY,
-    Outcome,
     RelayConfig,
-    RelayResult,
     ReplayRequest,
     StudentRequest,
     TeacherRequest,
     anchor_schedule,
-    pair_index,
     random_anchor_order,
     relay_search,
     select_backbone,
-    select_groups_across_ranks,
 )
-from salvage.core.seeds import (
-    EXTRA_ROLLOUTS,
-    GROUP_OFFSET,
-    RELAY_DRIVE,
-    RELAY_SEARCH,
-    RELAY_SELECT,
-    step_seed,
-)
-from salvage.datamodules.agent import AgentDataModule
-from salvage.datamodules.base import attached_datamodule
-from salvage.distributed import (
-    all_reduce,
-    gather_objects,
-    gathered,
-    load_sharded,
-    run_file,
-    world,
-)
-from salvage.models import PolicySpec, build_empty_model, load_model, load_tokenizer
-from salvage.modules.grpo import GRPOModule
+from salvage.core.seeds import GROUP_OFFSET, RELAY_DRIVE, RELAY_SEARCH, step_seed
 from salvage.progress import stage
 from salvage.rollout.agent import Episode, LMPolicy, OraclePolicy, Start
-from salvage.rollout.config import EngineConfig, build_engine
-from salvage.types import Group, RelayData, RolloutBatch, SeqTarget, Trajectory
+from salvage.types import RelayData, RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -102,284 +94,6 @@ confirmation rollouts together is split by their share of its output tokens); th
 policy part (an LM teacher's engine, or the oracle's planning); the student calls' policy
 (engine) part and the rest of the student and replay calls (environment restores and steps,
 prompts)."""
-
-
-@dataclass
-class TeacherSpec:
-    """The frozen teacher: an environment oracle, or an LM of any size / tokenizer."""
-
-    kind: str | None = None
-    """``lm`` (the paper's frozen LM teacher) or ``oracle`` (the environment's gold path /
-    handcoded expert: a CPU convenience, zero teacher tokens). No default: choose one."""
-    policy: PolicySpec | None = None
-    """``lm`` only: which model."""
-    engine: EngineConfig | None = None
-    """``lm`` only: its sampling settings (default: the student's)."""
-
-    def __post_init__(self) -> None:
-        if self.kind is None:
-            raise ValueError(
-                "teacher.kind must be set: 'lm' (the paper's frozen LM teacher, with "
-                "teacher.policy) or 'oracle' (the environment's expert, a CPU convenience)"
-            )
-        if self.kind not in ("oracle", "lm"):
-            raise ValueError(f"teacher.kind must be 'oracle' or 'lm', got {self.kind!r}")
-        if self.kind == "lm" and self.policy is None:
-            raise ValueError(
-                "teacher.kind='lm' needs teacher.policy (e.g. name_or_path: Qwen/Qwen2.5-1.5B-Instruct)"
-            )
-
-
-class _Accounting:
-    """SPEC §2.5 counters, per step and cumulative (saved in checkpoints)."""
-
-    KEYS = (
-        "zero_signal_groups",
-        "selected",
-        "teacher_attempts",
-        "recoveries",
-        "retained",
-        "extra_tokens_teacher",
-        "extra_tokens_search",
-        "extra_tokens_confirm",
-        "extra_tokens_student",
-        "root_tokens",
-        "sum_j",
-        "sum_L",
-        "relays",
-        "random_fallbacks",
-        "random_discards",
-    )
-
-    def __init__(self) -> None:
-        self.total = dict.fromkeys(self.KEYS, 0.0)
-        self.random_handoff = False
-        """Random Verified Handoff: also log how often S minus j_early was empty."""
-
-    def metrics(self, step: dict[str, float], fracs: list[float]) -> dict[str, float]:
-        for k in self.KEYS:
-            self.total[k] += step.get(k, 0.0)
-        t = self.total
-        extra = (
-            t["extra_tokens_teacher"]
-            + t["extra_tokens_search"]
-            + t["extra_tokens_confirm"]
-            + t["extra_tokens_student"]
-        )
-        out = {
-            f"relay/{k}": step.get(k, 0.0)
-            for k in (
-                "zero_signal_groups",
-                "selected",
-                "teacher_attempts",
-                "recoveries",
-                "retained",
-            )
-        }
-        out.update(
-            {
-                f"relay/{k}_cum": t[k]
-                for k in (
-                    "zero_signal_groups",
-                    "selected",
-                    "teacher_attempts",
-                    "recoveries",
-                    "retained",
-                )
-            }
-        )
-        for k in ("teacher", "search", "confirm", "student"):
-            out[f"cost/extra_tokens_{k}"] = t[f"extra_tokens_{k}"]
-        out["cost/extra_token_ratio"] = extra / t["root_tokens"] if t["root_tokens"] else 0.0
-        if fracs:
-            out["relay/teacher_frac"] = sum(fracs) / len(fracs)
-        if t["sum_L"]:
-            out["relay/pooled_reduction"] = 1.0 - t["sum_j"] / t["sum_L"]
-        if self.random_handoff:  # searches with S minus j_early empty, and those discarded
-            for k in ("random_fallbacks", "random_discards"):
-                out[f"relay/{k}"] = step.get(k, 0.0)
-                out[f"relay/{k}_cum"] = t[k]
-        return out
-
-
-class RescueCallback(L.Callback):
-    """Shared shell of the rescue stages: selection, accounting, logging, records.
-
-    Args:
-        relay: search settings (``max_groups`` and ``group_select`` pick the groups).
-        seed: seed of the stage's random streams.
-        records: write ``relays.jsonl`` in the run directory.
-    """
-
-    def __init__(
-        self, relay: RelayConfig | None = None, seed: int = 0, records: bool = True
-    ) -> None:
-        self.cfg = relay or RelayConfig()
-        self.seed = seed
-        self.records = records
-        self.acc = _Accounting()
-        self._records_path: Path | None = None
-        self.teacher_model: torch.nn.Module | None = None
-        """A frozen LM teacher this stage loaded (None: none, or an oracle)."""
-
-    # -- lifecycle -----------------------------------------------------------------
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        dm = getattr(trainer, "datamodule", None)  # attached by Lightning at run time
-        self._records_path = (
-            run_file(trainer, "relays") if self.records else None
-        )  # every rank: log_dir syncs
-        if not isinstance(dm, AgentDataModule):
-            raise TypeError(
-                f"{type(self).__name__} needs an AgentDataModule (restorable env states), "
-                f"got {type(dm).__name__}"
-            )
-        self.cfg.check_horizon(dm.max_turns)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"total": dict(self.acc.total)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.acc.total.update(state_dict["total"])
-
-    def _rng(self, trainer: L.Trainer) -> random.Random:
-        return random.Random(step_seed(self.seed, trainer.global_step, RELAY_SELECT))
-
-    def _write(self, trainer: L.Trainer, rec: dict[str, Any]) -> None:
-        if not self.records:
-            return
-        if self._records_path is None:
-            self._records_path = run_file(trainer, "relays")
-        with self._records_path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def _log(
-        self, pl_module: L.LightningModule, step: dict[str, float], fracs: list[float]
-    ) -> None:
-        if world()[1] > 1:  # per update = over all ranks (SPEC §2.5): sum the rank shares
-            keys = _Accounting.KEYS
-            step = dict(zip(keys, all_reduce([step.get(k, 0.0) for k in keys]), strict=True))
-            fracs = [f for part in gather_objects(fracs) for f in part]
-        self.emit(pl_module, self.acc.metrics(step, fracs))
-
-    def emit(self, pl_module: L.LightningModule, values: dict[str, float]) -> None:
-        """Send this update's accounting to the trained module's step metrics."""
-        _learner(pl_module).record(values)
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if not isinstance(batch, RolloutBatch):
-            return
-        zero, selected = self.select(trainer, batch)
-        step = {
-            "zero_signal_groups": float(len(zero)),
-            "selected": float(len(selected)),
-            "root_tokens": float(batch.num_response_tokens()),
-        }
-        try:
-            with gathered(*self.inference_models(pl_module)):  # FSDP: searches sample locally
-                fracs = self.rescue(trainer, pl_module, batch, selected, step)
-        finally:
-            for e in _data(trainer).live_engines():
-                e.release()  # vLLM: memory back to training
-        self._log(pl_module, step, fracs)
-
-    def select(self, trainer: L.Trainer, batch: RolloutBatch) -> tuple[list[int], list[int]]:
-        """This rank's zero-signal groups and those of them it rescues.
-
-        At most ``max_groups`` per update over all ranks (SPEC §2): every rank's candidates
-        are gathered and every rank makes the same choice, the one a single process would
-        make on the whole batch (each rank holds a contiguous slice of it, in rank order).
-        """
-        zero = [i for i, g in enumerate(batch.groups) if g.zero_signal]
-        everyone = gather_objects(zero)  # a collective: every rank, every step
-        picked = select_groups_across_ranks(everyone, self.cfg, self._rng(trainer))
-        return zero, picked[world()[0]]
-
-    def rescue(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        batch: RolloutBatch,
-        selected: list[int],
-        step: dict[str, float],
-    ) -> list[float]:
-        raise NotImplementedError
-
-    def inference_models(self, pl_module: L.LightningModule) -> list[torch.nn.Module]:
-        """The student's sampling models and a frozen LM teacher, gathered for a search (FSDP;
-        the reference is not used here)."""
-        models = _learner(pl_module).sampling_models()
-        return models + ([self.teacher_model] if self.teacher_model is not None else [])
-
-
-def frozen_lm_policy(
-    spec: PolicySpec, module: GRPOModule, dm: Any, engine: EngineConfig | None = None
-) -> tuple[LMPolicy, torch.nn.Module]:
-    """A frozen LM loaded from ``spec`` as an agent policy on ``module``'s device (sharded or
-    offloaded like the reference under FSDP), sampling with ``engine`` (None: the
-    datamodule's settings); returns the policy and its model."""
-    tok = load_tokenizer(spec)
-    mesh = module.fsdp_mesh()
-    if mesh is not None:  # FSDP: the teacher is sharded (or offloaded) like the reference
-        model = load_sharded(
-            lambda: load_model(spec, tok),
-            lambda: build_empty_model(spec, tok),
-            mesh,
-            module.fsdp,
-            frozen=True,
-            device=module.device,
-        )
-    else:
-        model = load_model(spec, tok).eval().requires_grad_(False).to(module.device)
-    eng = build_engine(engine or dm.engine_cfg, model, tok, frozen=True)
-    return LMPolicy(eng, tok, dm.fmt, dm.max_prompt_tokens), model
-
-
-def _data(trainer: L.Trainer) -> AgentDataModule:
-    return attached_datamodule(trainer, AgentDataModule)
-
-
-def _learner(pl_module: L.LightningModule) -> GRPOModule:
-    if not isinstance(pl_module, GRPOModule):
-        raise TypeError(f"a rescue stage trains a GRPOModule, got {type(pl_module).__name__}")
-    return pl_module
-
-
-def _path(e: Episode) -> list[tuple[str, str]]:
-    """The episode's steps as (action, observation after it): what identifies a state here."""
-    return list(zip(e.actions, e.observations[1:], strict=False))
-
-
-def _outcome(e: Episode, seed: int) -> Outcome:
-    return Outcome(
-        success=e.won,
-        n_actions=len(e.actions),
-        output_tokens=sum(len(t.response_ids) for t in e.turns),
-        seed=seed,
-        restored=bool(e.observations),
-        ref=e,
-        path=_path(e),
-    )
-
-
-@dataclass
-class _Search:
-    gi: int
-    group: Group
-    backbone: Episode
-    gen: Any
-    req: Any = None
-    result: RelayResult | None = None
-
-    @property
-    def outcome(self) -> RelayResult:
-        """The finished search's result."""
-        if self.result is None:
-            raise RuntimeError(f"the search of group {self.gi} has not finished")
-        return self.result
 
 
 class VerifiedHandoff(RescueCallback):
@@ -485,45 +199,11 @@ class VerifiedHandoff(RescueCallback):
     ) -> list[float]:
         dm = _data(trainer)
         rng = self._rng(trainer)
-        H = dm.max_turns
-        searches: list[_Search] = []
-        for gi in selected:
-            g = batch.groups[gi]
-            eps: list[Episode] = [t.episode for t in g.trajectories]
-            bb = select_backbone([(len(e.actions), e.terminal) for e in eps], H, self.cfg.b_min)
-            if bb is None:
-                self._write(
-                    trainer,
-                    {
-                        "step": trainer.global_step,
-                        "task": g.task_id,
-                        "retained": False,
-                        "reason": "no eligible backbone with a t=0 candidate",
-                        "search": self.cfg.search,
-                    },
-                )
-                continue
-            idx, depths = bb
-            anchors = anchor_schedule(depths, self.cfg.stride, self.cfg.max_backtracks)
-            if self.cfg.anchor_order == "random":
-                anchors = random_anchor_order(anchors, rng)
-            start_obs = eps[idx].observations[:1]
-            gen = relay_search(
-                eps[idx].actions,
-                anchors,
-                self.cfg,
-                rng,
-                seed=step_seed(self.seed, trainer.global_step, RELAY_SEARCH) + GROUP_OFFSET * gi,
-                group_paths=[  # monotone search: the group's failed episodes, same start
-                    _path(e)
-                    for e in eps
-                    if not e.won and e.error is None and e.observations[:1] == start_obs
-                ],
-                backbone_path=_path(eps[idx]),
-            )
-            s = _Search(gi, g, eps[idx], gen)
-            s.req = next(gen)
-            searches.append(s)
+        searches: list[GroupSearch] = []
+        for gi in selected:  # in batch order: each search draws from ``rng`` as it starts
+            s = self._start(trainer, batch, gi, dm, rng)
+            if s is not None:
+                searches.append(s)
         student = self.student_policy(pl_module, dm)
         base_seed = step_seed(self.seed, trainer.global_step, RELAY_DRIVE)
         self._times = dict.fromkeys(RESCUE_TIMES, 0.0)
@@ -534,8 +214,52 @@ class VerifiedHandoff(RescueCallback):
         self.emit(pl_module, {f"cost/time_{k}": v for k, v in self._times.items()})
         return self._collect(trainer, batch, searches, student, dm, step)
 
+    def _start(
+        self, trainer: L.Trainer, batch: RolloutBatch, gi: int, dm: Any, rng: random.Random
+    ) -> GroupSearch | None:
+        """Group ``gi``'s search, started (its first request pending); None (recorded) when
+        the group has no eligible backbone."""
+        g = batch.groups[gi]
+        eps: list[Episode] = [t.episode for t in g.trajectories]
+        bb = select_backbone(
+            [(len(e.actions), e.terminal) for e in eps], dm.max_turns, self.cfg.b_min
+        )
+        if bb is None:
+            self._write(
+                trainer,
+                {
+                    "step": trainer.global_step,
+                    "task": g.task_id,
+                    "retained": False,
+                    "reason": "no eligible backbone with a t=0 candidate",
+                    "search": self.cfg.search,
+                },
+            )
+            return None
+        idx, depths = bb
+        anchors = anchor_schedule(depths, self.cfg.stride, self.cfg.max_backtracks)
+        if self.cfg.anchor_order == "random":
+            anchors = random_anchor_order(anchors, rng)
+        start_obs = eps[idx].observations[:1]
+        gen = relay_search(
+            eps[idx].actions,
+            anchors,
+            self.cfg,
+            rng,
+            seed=step_seed(self.seed, trainer.global_step, RELAY_SEARCH) + GROUP_OFFSET * gi,
+            group_paths=[  # monotone search: the group's failed episodes, same start
+                episode_path(e)
+                for e in eps
+                if not e.won and e.error is None and e.observations[:1] == start_obs
+            ],
+            backbone_path=episode_path(eps[idx]),
+        )
+        s = GroupSearch(gi, g, eps[idx], gen)
+        s.req = next(gen)
+        return s
+
     def _drive(
-        self, searches: list[_Search], dm: Any, student: LMPolicy, base_seed: int, bar: Any
+        self, searches: list[GroupSearch], dm: Any, student: LMPolicy, base_seed: int, bar: Any
     ) -> None:
         round_ = 0
         while any(s.result is None for s in searches):
@@ -567,7 +291,7 @@ class VerifiedHandoff(RescueCallback):
         self,
         trainer: L.Trainer,
         batch: RolloutBatch,
-        searches: list[_Search],
+        searches: list[GroupSearch],
         student: LMPolicy,
         dm: Any,
         step: dict[str, float],
@@ -597,7 +321,7 @@ class VerifiedHandoff(RescueCallback):
         return fracs
 
     def _run_teacher(
-        self, live: list[_Search], dm: Any, answers: dict[int, Any], seed: int
+        self, live: list[GroupSearch], dm: Any, answers: dict[int, Any], seed: int
     ) -> None:
         if not live:
             return
@@ -619,11 +343,16 @@ class VerifiedHandoff(RescueCallback):
             eps = dm.runner.run(starts, self._teacher, seed=seed, train=False)
         for s in live:
             answers[id(s)] = [
-                _outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
+                outcome_of(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
             ]
 
     def _run_student(
-        self, live: list[_Search], dm: Any, student: LMPolicy, answers: dict[int, Any], seed: int
+        self,
+        live: list[GroupSearch],
+        dm: Any,
+        student: LMPolicy,
+        answers: dict[int, Any],
+        seed: int,
     ) -> None:
         if not live:
             return
@@ -642,10 +371,10 @@ class VerifiedHandoff(RescueCallback):
             eps_out.extend(eps)
         for s in live:
             answers[id(s)] = [
-                _outcome(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
+                outcome_of(e, sd) for (o, sd), e in zip(owners, eps, strict=True) if o is s
             ]
 
-    def _run_replay(self, live: list[_Search], dm: Any, answers: dict[int, Any]) -> None:
+    def _run_replay(self, live: list[GroupSearch], dm: Any, answers: dict[int, Any]) -> None:
         if not live:
             return
         items = []
@@ -660,89 +389,11 @@ class VerifiedHandoff(RescueCallback):
             answers[id(s)] = won
 
     # -- relay assembly ----------------------------------------------------------------
-    def _relay(self, s: _Search, student: LMPolicy, fmt: Any, rec: dict[str, Any]) -> RelayData:
-        r = s.outcome
-        anchor, j_star, found = r.handoff()
-        recovery: Episode = found.ref
-        tok = student.tokenizer
-        bridge = []
-        for turn in recovery.turns[:j_star]:
-            bridge.append(
-                SeqTarget(
-                    student.encode(turn.prompt_text),
-                    list(tok(turn.response_text, add_special_tokens=False)["input_ids"]),
-                )
-            )
-        resume = []
-        if r.resume is not None:
-            resume = [
-                SeqTarget(list(t.prompt_ids), list(t.response_ids))
-                for t in r.resume.ref.turns
-                if t.response_ids
-            ]
-        pair = None
-        d = pair_index(recovery.actions, s.backbone.actions, anchor, j_star, self.cfg.pair_walk)
-        if d is not None:
-            failed_turn = s.backbone.turns[anchor + d]
-            h = list(failed_turn.prompt_ids) or student.encode(failed_turn.prompt_text)
-            pair = (
-                _action_target(h, recovery.turns[d].response_text, tok, fmt),
-                _action_target(h, failed_turn.response_text, tok, fmt),
-            )
-            rec["pair_depth"] = anchor + d
-        return RelayData(bridge=bridge, resume=resume, pair=pair, record=rec)
+    def _relay(self, s: GroupSearch, student: LMPolicy, fmt: Any, rec: dict[str, Any]) -> RelayData:
+        return relay_of(s, student, fmt, rec, self.cfg.pair_walk)
 
-    def _record(self, trainer: L.Trainer, s: _Search) -> dict[str, Any]:
-        r = s.outcome
-        R = r.resume.n_actions if r.resume is not None else 0
-        return {
-            "step": trainer.global_step,
-            "task": s.group.task_id,
-            "family": s.group.task.get("family"),
-            "retained": r.retained,
-            "reason": r.reason,
-            "teacher": self.teacher_name(),
-            "anchors": r.anchors_tried,
-            "anchor": r.anchor,
-            "L": r.L,
-            "j_star": r.j_star,
-            "j_early": r.j_early,
-            "random_fallback": r.random_fallback,
-            "R": R,
-            "teacher_frac": (r.handoff()[1] / r.L) if r.retained and r.L else None,
-            "discovery": {str(k): v for k, v in r.discovery.items()},
-            "teacher_attempts": r.teacher_attempts,
-            "discovery_rollouts": r.discovery_rollouts,
-            "confirm_rollouts": r.confirm_rollouts,
-            "search": r.search,
-            "known_failure": r.known_failure,
-            "student_rollouts": r.discovery_rollouts + r.confirm_rollouts,
-            "tokens": {
-                "teacher": r.teacher_tokens,
-                "search": r.search_tokens,
-                "confirm": r.confirm_tokens,
-            },
-        }
-
-
-def _action_target(prompt_ids: list[int], response: str, tok: Any, fmt: Any) -> SeqTarget:
-    """A response scored over its executable-action tokens only (SPEC §2.3 pair)."""
-    action, _ = parse_action(response, fmt)
-    enc = tok(response, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    tagged = list(fmt._action_re.finditer(response))
-    if tagged:  # the span inside the (last) action tag, surrounding spaces excluded
-        m = tagged[-1]
-        inner = m.group(1)
-        start = m.start(1) + (len(inner) - len(inner.lstrip()))
-        end = m.end(1) - (len(inner) - len(inner.rstrip()))
-    else:  # no tag: the text the environment received
-        start = response.rfind(action) if action else -1
-        end = start + len(action)
-    if start < 0 or end <= start:
-        return SeqTarget(prompt_ids, ids, None)
-    mask = [1 if (a < end and b > start) else 0 for a, b in enc["offset_mapping"]]
-    return SeqTarget(prompt_ids, ids, mask if any(mask) else None)
+    def _record(self, trainer: L.Trainer, s: GroupSearch) -> dict[str, Any]:
+        return search_record(trainer.global_step, s, self.teacher_name())
 
 
 class RandomVerifiedHandoff(VerifiedHandoff):
@@ -763,79 +414,18 @@ class NoHandoff(VerifiedHandoff):
     handoff = "none"
 
 
-class ExtraStudentRollouts(RescueCallback):
-    """Budget-matched ablation: ``extra_rollouts`` more student rollouts per selected group,
-    trained with plain GRPO (advantages recomputed over the enlarged group).
-
-    Args:
-        relay: group selection (``max_groups``, ``group_select``); the search knobs are unused.
-        extra_rollouts: student rollouts added to each selected zero-signal group (SPEC: 4).
-        seed: seed of the extra rollouts.
-        records: write ``relays.jsonl`` in the run directory.
-    """
-
-    def __init__(
-        self,
-        relay: RelayConfig | None = None,
-        extra_rollouts: int = 4,
-        seed: int = 0,
-        records: bool = True,
-    ) -> None:
-        super().__init__(relay, seed, records)
-        if extra_rollouts < 1:
-            raise ValueError(f"extra_rollouts must be >= 1, got {extra_rollouts}")
-        self.extra_rollouts = extra_rollouts
-
-    def rescue(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        batch: RolloutBatch,
-        selected: list[int],
-        step: dict[str, float],
-    ) -> list[float]:
-        if not selected:
-            return []
-        dm = _data(trainer)
-        seed = step_seed(self.seed, trainer.global_step, EXTRA_ROLLOUTS)
-        starts = [
-            Start(batch.groups[gi].task, seed + 1000 + k)
-            for gi in selected
-            for k in range(self.extra_rollouts)
-        ]
-        runner = dm.live_runner()
-        eps = runner.run(starts, dm.student(), seed=seed, train=True)
-        tokens = 0
-        for n, gi in enumerate(selected):
-            g = batch.groups[gi]
-            new: list[Trajectory] = [
-                runner.to_trajectory(e)
-                for e in eps[n * self.extra_rollouts : (n + 1) * self.extra_rollouts]
-                if e.error is None
-            ]
-            tokens += sum(t.num_response_tokens for t in new)
-            g.trajectories.extend(new)
-            dm.assign_group_advantages(g)
-            self._write(
-                trainer,
-                {
-                    "step": trainer.global_step,
-                    "task": g.task_id,
-                    "extra_rollouts": len(new),
-                    "successes": sum(t.success for t in new),
-                    "zero_signal_after": g.zero_signal,
-                },
-            )
-        step["extra_tokens_student"] = float(tokens)
-        return []
-
-
 __all__ = [
+    "RESCUE_TIMES",
     "ExtraStudentRollouts",
+    "GroupSearch",
     "NoHandoff",
     "RandomAnchorOrder",
     "RandomVerifiedHandoff",
     "RescueCallback",
     "TeacherSpec",
     "VerifiedHandoff",
+    "_Accounting",
+    "_data",
+    "_learner",
+    "frozen_lm_policy",
 ]

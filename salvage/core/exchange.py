@@ -11,12 +11,13 @@ stored-mode receiver ``StoredPeer`` (through ``salvage.modules.graft.transplant`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from salvage.core.graft import (
+    Transfers,
     capability_advantages,
     compat_weight,
     compatibility,
@@ -67,6 +68,50 @@ def episode_logprobs(turns: Sequence[Turn]) -> list[float]:
     """The log-probs of every response token of an episode's turns, in order (one turn:
     that turn's). GRAFT's ``lbar`` of a multi-turn episode is their mean (docs/peers.md)."""
     return [lp for t in turns for lp in t.logprobs]
+
+
+def moved_turns(traj: Trajectory, agents: bool) -> list[Turn]:
+    """The turns of a travelling response that the receiver re-tokenises: an agent episode's
+    trainable turns, else the single turn of a single-turn task."""
+    return [x for x in traj.turns if x.train] if agents else traj.turns[:1]
+
+
+def receiver_turns(
+    peers: Sequence[Trajectory],
+    prompts: Sequence[list[int]],
+    responses: Sequence[list[int]],
+    logprobs: Sequence[list[float]],
+    agents: bool,
+) -> list[list[Turn]]:
+    """Per travelling response, its ``moved_turns`` as the receiver sees them, from the flat
+    lists (one entry per moved turn, in order) of the receiver's prompts, re-tokenised
+    responses and pi_old log-probs: agents, the peer's turns with those tokens (trainable);
+    single-turn tasks, a fresh turn on the receiver's prompt with the response text."""
+    out: list[list[Turn]] = []
+    k = 0
+    for t in peers:
+        src = moved_turns(t, agents)
+        out.append(
+            [
+                replace(
+                    turn,
+                    prompt_ids=prompts[k + i],
+                    response_ids=responses[k + i],
+                    logprobs=logprobs[k + i],
+                    train=True,
+                )
+                if agents
+                else Turn(
+                    prompt_ids=prompts[k + i],
+                    response_ids=responses[k + i],
+                    logprobs=logprobs[k + i],
+                    response_text=turn.response_text,
+                )
+                for i, turn in enumerate(src)
+            ]
+        )
+        k += len(src)
+    return out
 
 
 def receive_group(
@@ -204,3 +249,33 @@ def transfer_rows(
                 }
             )
     return rows
+
+
+def exchange_metrics(
+    va: dict[str, float],
+    vb: dict[str, float],
+    tr: Transfers,
+    weights: Sequence[float],
+    live_ab: Sequence[int] | None = None,
+    live_ba: Sequence[int] | None = None,
+) -> dict[str, float]:
+    """A GRAFT step's metrics: both updates' (``a/...``, ``b/...``) and the exchange's
+    (``graft/...``: transfers, complementary prompts, weights, HACPO's selection when
+    restricted (``live_*``), the peer tokens' clip fraction)."""
+    values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
+    values.update(
+        {
+            "graft/transferred_a_to_b": float(len(tr.a_to_b)),
+            "graft/transferred_b_to_a": float(len(tr.b_to_a)),
+            "graft/complementary_a_to_b": float(tr.m_ab),
+            "graft/complementary_b_to_a": float(tr.m_ba),
+        }
+        | weight_metrics(weights)
+    )
+    if live_ab is not None and live_ba is not None:
+        values["graft/selected_a_to_b"] = float(len(live_ab))
+        values["graft/selected_b_to_a"] = float(len(live_ba))
+    peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
+    if peer:
+        values["graft/peer_clip_frac"] = sum(peer) / len(peer)
+    return values

@@ -25,6 +25,51 @@ import torch
 
 BALANCE = ("min_ratio", "none")
 ORDERS = ("peer-last", "peer-first", "uniform")
+CHOICES = {
+    "selection": ("complementary", "random"),
+    "peer_filter": ("all", "success"),
+    "peer_advantage": ("source", "pooled"),
+    "admission": ("compat", "random"),
+    "peer_loss": ("clip", "luffy"),
+    "peer_ratio": ("token", "sequence"),
+    "mode": ("graft", "sgt", "hacpo"),
+}
+"""The allowed values of GRAFT's string settings (``GRAFTModule``'s arguments)."""
+
+
+def settings_error(
+    *,
+    balance: str,
+    order: str,
+    delta: float,
+    rho: float,
+    hacpo_clip_low: float,
+    hacpo_clip_high: float,
+    hacpo_peer_high: float | None,
+    restrict_to_selection: bool,
+    **choices: str,
+) -> str | None:
+    """The first GRAFT setting out of range, as a message naming its ``model.`` key (None:
+    all in range); ``choices``: the string settings of ``CHOICES``, checked in order."""
+    if balance not in BALANCE:
+        return f"model.balance must be one of {BALANCE}, got {balance!r}"
+    if order not in ORDERS:
+        return f"model.order must be one of {ORDERS}, got {order!r}"
+    if not 0 < delta <= 1:
+        return f"model.delta={delta!r} must be in (0, 1]"
+    if rho <= 0:
+        return f"model.rho={rho!r} must be > 0"
+    for key, val in choices.items():
+        if val not in CHOICES[key]:
+            return f"model.{key} must be one of {CHOICES[key]}, got {val!r}"
+    for key, bound in (("hacpo_clip_low", hacpo_clip_low), ("hacpo_clip_high", hacpo_clip_high)):
+        if not 0 <= bound < 1:
+            return f"model.{key}={bound!r} must be in [0, 1)"
+    if hacpo_peer_high is not None and hacpo_peer_high <= 0:
+        return f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)"
+    if restrict_to_selection and choices.get("mode") == "graft":
+        return "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
+    return None
 
 
 def complementary(k_receiver: int, k_source: int, n: int) -> bool:

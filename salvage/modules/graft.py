@@ -19,64 +19,48 @@ policy's rollout and loss metrics) and ``graft/...``; ``exchange.jsonl`` in the 
 directory records every step's transfers and weights and, under ``responses``, one row per
 transferred response (``core.exchange.transfer_rows``: direction, ``s``, ``lbar_src``,
 ``lbar_recv``, both token counts, reward, weight, ``admitted``).
+
+The module's shell (the policies by name, their models and optimisers, step metrics, the
+exchange records, per-model evaluation) is ``salvage.modules.cotrain``; the SGT baseline is
+``salvage.modules.graft_sgt``.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, cast
 
-import lightning as L
-import torch
-from lightning.fabric.utilities.data import AttributeDict
-
-from salvage.core.evaluation import repeat_metrics
 from salvage.core.exchange import (
     ExchangeRules,
+    exchange_metrics,
+    moved_turns,
     peer_responses,
     receive_group,
+    receiver_turns,
     transfer_rows,
-    weight_metrics,
 )
 from salvage.core.graft import (
-    BALANCE,
-    ORDERS,
     Transfers,
     plan_minibatches,
     random_admission,
     select_transfers,
-    sgt_pick,
+    settings_error,
 )
-from salvage.core.losses import completion_loss
 from salvage.core.seeds import GRAFT_EXCHANGE, step_seed
-from salvage.distributed import (
-    FSDPConfig,
-    gather_objects,
-    gathered,
-    merge_eval_records,
-    run_file,
-    to_device,
-)
+from salvage.distributed import FSDPConfig, gathered
 from salvage.errors import ConfigError
-from salvage.lm import (
-    DEFAULT_LOGPROB_CHUNK,
-    response_logprobs,
-    target_scores,
-)
+from salvage.lm import DEFAULT_LOGPROB_CHUNK, response_logprobs
 from salvage.models import PolicySpec
+from salvage.modules.cotrain import NAMES, CoTrainModule
+from salvage.modules.graft_sgt import sgt_auxiliary, sgt_step
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.progress import stage
-from salvage.types import Group, PairedBatch, RolloutBatch, SeqTarget, Trajectory, Turn
-
-NAMES = tuple("abcdefghijklmnopqrstuvwxyz")
-"""Model names in order: GRAFT's two are ``a`` and ``b``; further peers ``c``, ``d``, ..."""
+from salvage.types import Group, PairedBatch, RolloutBatch, Trajectory, Turn
 
 
-class GRAFTModule(L.LightningModule):
+class GRAFTModule(CoTrainModule):
     """Two-model co-training with trajectory exchange.
 
     Args:
@@ -193,37 +177,25 @@ class GRAFTModule(L.LightningModule):
         length_aware_micro_batches: bool = True,
     ) -> None:
         super().__init__()
-        if balance not in BALANCE:
-            raise ConfigError(f"model.balance must be one of {BALANCE}, got {balance!r}")
-        if order not in ORDERS:
-            raise ConfigError(f"model.order must be one of {ORDERS}, got {order!r}")
-        if not 0 < delta <= 1:
-            raise ConfigError(f"model.delta={delta!r} must be in (0, 1]")
-        if rho <= 0:
-            raise ConfigError(f"model.rho={rho!r} must be > 0")
-        for key, val, allowed in (
-            ("selection", selection, ("complementary", "random")),
-            ("peer_filter", peer_filter, ("all", "success")),
-            ("peer_advantage", peer_advantage, ("source", "pooled")),
-            ("admission", admission, ("compat", "random")),
-            ("peer_loss", peer_loss, ("clip", "luffy")),
-            ("peer_ratio", peer_ratio, ("token", "sequence")),
-            ("mode", mode, ("graft", "sgt", "hacpo")),
-        ):
-            if val not in allowed:
-                raise ConfigError(f"model.{key} must be one of {allowed}, got {val!r}")
-        for key, bound in (
-            ("hacpo_clip_low", hacpo_clip_low),
-            ("hacpo_clip_high", hacpo_clip_high),
-        ):
-            if not 0 <= bound < 1:
-                raise ConfigError(f"model.{key}={bound!r} must be in [0, 1)")
-        if hacpo_peer_high is not None and hacpo_peer_high <= 0:
-            raise ConfigError(f"model.hacpo_peer_high={hacpo_peer_high!r} must be > 0 (or null)")
-        if restrict_to_selection and mode == "graft":
-            raise ConfigError(
-                "model.restrict_to_selection applies to mode 'hacpo' or 'sgt' (GRAFT selects anyway)"
-            )
+        why = settings_error(
+            balance=balance,
+            order=order,
+            delta=delta,
+            rho=rho,
+            selection=selection,
+            peer_filter=peer_filter,
+            peer_advantage=peer_advantage,
+            admission=admission,
+            peer_loss=peer_loss,
+            peer_ratio=peer_ratio,
+            mode=mode,
+            hacpo_clip_low=hacpo_clip_low,
+            hacpo_clip_high=hacpo_clip_high,
+            hacpo_peer_high=hacpo_peer_high,
+            restrict_to_selection=restrict_to_selection,
+        )
+        if why is not None:
+            raise ConfigError(why)
         self.automatic_optimization = False
         self._common: dict[str, Any] = dict(
             weight_decay=weight_decay,
@@ -254,59 +226,8 @@ class GRAFTModule(L.LightningModule):
         self.hparams["fsdp"] = self.a.hparams["fsdp"]
         self.hparams["policy_a"] = self.a.hparams["policy"]
         self.hparams["policy_b"] = self.b.hparams["policy"]
-        self._step_log: dict[str, float] = {}
-        self._records: Path | None = None
-
-    @property
-    def hparams(self) -> AttributeDict:
-        """The saved hyper-parameters (attribute access)."""
-        return cast(AttributeDict, super().hparams)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The models' names, in model order."""
-        return NAMES[:2]
-
-    def learner(self, name: str) -> GRPOModule:
-        """The model ``name`` (one of ``names``)."""
-        if name not in self.names:
-            raise KeyError(f"no model {name!r} in this module (models: {', '.join(self.names)})")
-        return cast(GRPOModule, getattr(self, name))
-
-    def learners(self) -> list[GRPOModule]:
-        """Every model, in order."""
-        return [self.learner(n) for n in self.names]
-
-    @property
-    def tokenizer(self) -> Any:  # the datamodule's default (A's); GRAFT passes each explicitly
-        return self.a.tokenizer
-
-    @property
-    def policy(self) -> torch.nn.Module | None:
-        return self.a.policy
-
-    def configure_model(self) -> None:
-        mesh = self.a.mesh_of(self.device_mesh)
-        for child in self.learners():  # every policy sharded on the strategy's one mesh
-            child.build(mesh)
-
-    def inference_models(self) -> list[torch.nn.Module]:
-        return [m for lr in self.learners() for m in lr.inference_models()]
-
-    def sampling_models(self) -> list[torch.nn.Module]:
-        return [m for lr in self.learners() for m in lr.sampling_models()]
-
-    def configure_optimizers(self) -> Any:
-        return [lr.configure_optimizers() for lr in self.learners()]
-
-    def on_fit_start(self) -> None:
-        self._records = run_file(
-            self.trainer, "exchange"
-        )  # on every rank (log_dir is a collective)
-        for lr in self.learners():
-            lr.total_steps_hint = self.trainer.max_steps if self.trainer.max_steps > 0 else None
-            if lr.ref_model is not None:  # an offloaded reference keeps its shards on the CPU
-                to_device(lr.ref_model, self.device)
+        self._step_log = {}
+        self._records = None
 
     # ------------------------------------------------------------------ exchange
     def receive(
@@ -364,35 +285,10 @@ class GRAFTModule(L.LightningModule):
     def training_step(self, batch: PairedBatch, batch_idx: int) -> None:
         hp = self.hparams
         ra, rb = batch.a, batch.b
-        n = max((len(g.trajectories) for g in ra.groups), default=0)
         rng = random.Random(step_seed(hp.seed, self.global_step, GRAFT_EXCHANGE))
         if hp.exchange and hp.mode == "sgt":
             return self._sgt_step(ra, rb, rng)
-        k_a = [sum(g.successes) for g in ra.groups]
-        k_b = [sum(g.successes) for g in rb.groups]
-        live_ab: list[int] | None = None
-        live_ba: list[int] | None = None
-        if hp.exchange and hp.mode == "hacpo":  # every prompt, both directions
-            every = list(range(len(ra.groups)))
-            tr = Transfers(every, list(every), len(every), len(every))
-            if hp.restrict_to_selection:  # Appendix G: peer loss only on GRAFT's selection
-                sel = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
-                live_ab, live_ba = sel.a_to_b, sel.b_to_a
-                tr.m_ab, tr.m_ba = sel.m_ab, sel.m_ba
-        elif hp.exchange:
-            tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
-            if hp.selection == "random":  # count-matched random prompts
-                q = list(range(len(k_a)))
-                tr = Transfers(
-                    sorted(rng.sample(q, len(tr.a_to_b))),
-                    sorted(rng.sample(q, len(tr.b_to_a))),
-                    tr.m_ab,
-                    tr.m_ba,
-                )
-                overlap = set(tr.a_to_b) & set(tr.b_to_a)
-                tr.b_to_a = [x for x in tr.b_to_a if x not in overlap]  # a prompt goes one way only
-        else:
-            tr = Transfers([], [], 0, 0)
+        tr, live_ab, live_ba = self._plan(ra, rb, rng)
         # B receives from A and A from B, each from the other's own (pre-exchange) groups
         own_a = RolloutBatch(groups=list(ra.groups), temperature=ra.temperature)
         own_b = RolloutBatch(groups=list(rb.groups), temperature=rb.temperature)
@@ -411,24 +307,7 @@ class GRAFTModule(L.LightningModule):
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
         weights = w_a + w_b
-        values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
-        values.update(
-            {
-                "graft/transferred_a_to_b": float(len(tr.a_to_b)),
-                "graft/transferred_b_to_a": float(len(tr.b_to_a)),
-                "graft/complementary_a_to_b": float(tr.m_ab),
-                "graft/complementary_b_to_a": float(tr.m_ba),
-            }
-            | weight_metrics(weights)
-        )
-        if live_ab is not None and live_ba is not None:
-            values["graft/selected_a_to_b"] = float(len(live_ab))
-            values["graft/selected_b_to_a"] = float(len(live_ba))
-        peer = [v[k] for v in (va, vb) for k in ("loss/peer_clip_frac",) if k in v]
-        if peer:
-            values["graft/peer_clip_frac"] = sum(peer) / len(peer)
-        self._step_log.update(values)
-        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
+        self.record(exchange_metrics(va, vb, tr, weights, live_ab, live_ba))
         self._write(
             {
                 "step": self.global_step - 1,
@@ -442,6 +321,40 @@ class GRAFTModule(L.LightningModule):
                 "responses": rows,
             }
         )
+
+    def _plan(
+        self, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random
+    ) -> tuple[Transfers, list[int] | None, list[int] | None]:
+        """This step's transfers by ``mode`` and ``selection`` (none without ``exchange``)
+        and, for HACPO restricted to GRAFT's selection, the prompts whose peer responses keep
+        their advantage in each direction (None: all)."""
+        hp = self.hparams
+        n = max((len(g.trajectories) for g in ra.groups), default=0)
+        k_a = [sum(g.successes) for g in ra.groups]
+        k_b = [sum(g.successes) for g in rb.groups]
+        if not hp.exchange:
+            return Transfers([], [], 0, 0), None, None
+        if hp.mode == "hacpo":  # every prompt, both directions
+            every = list(range(len(ra.groups)))
+            tr = Transfers(every, list(every), len(every), len(every))
+            if not hp.restrict_to_selection:
+                return tr, None, None
+            # Appendix G: peer loss only on GRAFT's selection
+            sel = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
+            tr.m_ab, tr.m_ba = sel.m_ab, sel.m_ba
+            return tr, sel.a_to_b, sel.b_to_a
+        tr = select_transfers(k_a, k_b, n, rng, hp.balance, hp.rho)
+        if hp.selection == "random":  # count-matched random prompts
+            q = list(range(len(k_a)))
+            tr = Transfers(
+                sorted(rng.sample(q, len(tr.a_to_b))),
+                sorted(rng.sample(q, len(tr.b_to_a))),
+                tr.m_ab,
+                tr.m_ba,
+            )
+            overlap = set(tr.a_to_b) & set(tr.b_to_a)
+            tr.b_to_a = [x for x in tr.b_to_a if x not in overlap]  # a prompt goes one way only
+        return tr, None, None
 
     def _update_both(
         self,
@@ -457,158 +370,8 @@ class GRAFTModule(L.LightningModule):
         return va, vb
 
     def _sgt_step(self, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
-        """SGT baseline: own groups untouched; NLL on one correct peer response per unsolved prompt.
-
-        ``restrict_to_selection``: only on the prompts of GRAFT's complementary, balanced
-        selection (Appendix G).
-        """
-        hp = self.hparams
-        allowed: dict[str, set[int] | None] = {"a_to_b": None, "b_to_a": None}
-        if hp.restrict_to_selection:
-            n = max((len(g.trajectories) for g in ra.groups), default=0)
-            sel = select_transfers(
-                [sum(g.successes) for g in ra.groups],
-                [sum(g.successes) for g in rb.groups],
-                n,
-                rng,
-                hp.balance,
-                hp.rho,
-            )
-            allowed = {"a_to_b": set(sel.a_to_b), "b_to_a": set(sel.b_to_a)}
-        counts = {}
-        aux: dict[str, Auxiliary] = {}
-        for src, dst, recv, name in ((ra, rb, self.b, "a_to_b"), (rb, ra, self.a, "b_to_a")):
-            targets = []
-            for q, (sg, dg) in enumerate(zip(src.groups, dst.groups, strict=True)):
-                only = allowed[name]
-                if only is not None and q not in only:
-                    continue
-                pick = sgt_pick(sg.successes, sum(dg.successes), rng)
-                if pick is None:
-                    continue
-                text = sg.trajectories[pick].turns[0].response_text
-                ids = list(recv.tokenizer(text, add_special_tokens=False)["input_ids"])
-                if recv.tokenizer.eos_token_id is not None:
-                    ids.append(int(recv.tokenizer.eos_token_id))
-                targets.append(SeqTarget(list(dg.trajectories[0].turns[0].prompt_ids), ids))
-            aux[name[-1]] = sgt_auxiliary(recv, targets, hp.sgt_weight)
-            counts[name] = len(targets)
-        va, vb = self._update_both(ra, rb, aux)
-        values = {f"a/{k}": v for k, v in va.items()} | {f"b/{k}": v for k, v in vb.items()}
-        values.update(
-            {
-                "graft/transferred_a_to_b": float(counts["a_to_b"]),
-                "graft/transferred_b_to_a": float(counts["b_to_a"]),
-            }
-        )
-        self._step_log.update(values)
-        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
-
-    def step_values(self) -> dict[str, float]:
-        """The metrics recorded so far in the current update (sent to the loggers at its end)."""
-        return dict(self._step_log)
-
-    def record(self, values: dict[str, float]) -> None:
-        """Callbacks' step metrics (cost, ...) go out with the module's, once per update."""
-        self._step_log.update({k: float(v) for k, v in values.items()})
-        self.log_dict(values, on_step=True, on_epoch=False, logger=False)
-
-    def record_later(self, values: dict[str, float]) -> None:
-        """Buffer metrics for the loggers only (from hooks where ``self.log`` is not allowed)."""
-        self._step_log.update({k: float(v) for k, v in values.items()})
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._step_log:
-            for lg in self.loggers:
-                lg.log_metrics(dict(self._step_log), step=self.global_step - 1)
-            self._step_log = {}
-
-    def _write(self, rec: dict[str, Any]) -> None:
-        if self._records is None:
-            self._records = run_file(self.trainer, "exchange")
-        with self._records.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    # ------------------------------------------------------------------ eval
-    def on_validation_epoch_start(self) -> None:
-        # per model, one record per evaluated problem: (repeat, benchmark, task, successes, samples)
-        self._eval_acc: dict[str, list[tuple[int, str, str, float, float]]] = {
-            n: [] for n in self.names
-        }
-
-    on_test_epoch_start = on_validation_epoch_start
-
-    def validation_step(self, batch: PairedBatch, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def test_step(self, batch: PairedBatch, batch_idx: int) -> None:
-        self._eval_step(batch, "eval")
-
-    def _eval_step(self, batch: PairedBatch, prefix: str) -> None:
-        for name, part in batch.parts().items():
-            recs = self._eval_acc[name]
-            for g in part.groups:
-                recs.append(
-                    (
-                        int(g.task.get("repeat", 0)),
-                        str(g.task.get("family", "all")),
-                        str(g.task_id),
-                        float(sum(t.success for t in g.trajectories)),
-                        float(len(g.trajectories)),
-                    )
-                )
-
-    def _eval_end(self, prefix: str) -> None:
-        """Per model, pass@1 per benchmark and the aggregate over the problems of all ranks
-        (every rank logs the same global numbers: checkpoint selection and CheckpointCost
-        see the whole evaluation, not one rank's share)."""
-        for name in self.names:
-            mine = getattr(self, "_eval_acc", {}).get(name, [])
-            acc = merge_eval_records(gather_objects(mine))  # a collective: every rank
-            if not acc:
-                continue
-            values = repeat_metrics(f"{name}/{prefix}", acc)
-            if len({r for r, _ in acc}) == 1:  # one run: pass@1 per benchmark and the aggregate
-                values = {
-                    k: v for k, v in values.items() if "/repeat_" not in k and "_std" not in k
-                }
-            for k, v in values.items():
-                self.log(k, v, on_epoch=True, sync_dist=True)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_end("eval")
-
-
-def sgt_auxiliary(learner: GRPOModule, targets: list[SeqTarget], weight: float) -> Auxiliary:
-    """SGT's term on one learner: ``weight * mean over targets of -s(y|h)`` (the NLL of one
-    correct peer response per prompt the learner did not solve), in its update's last
-    minibatch. Metric ``loss/nll``."""
-
-    def backward() -> torch.Tensor | None:
-        denom = learner.global_count(len(targets))
-        if not denom:
-            return None
-        total = 0.0
-        pad = int(learner.tokenizer.pad_token_id)
-
-        def nll(_: int, part: Sequence[SeqTarget]) -> torch.Tensor:
-            nonlocal total
-            scores = target_scores(
-                learner.live_policy, part, pad, learner.device, packed=learner.hparams.pack_prompts
-            )
-            loss = completion_loss(scores).sum() / denom
-            total += float(loss.detach())
-            return weight * loss
-
-        if not learner.micro_steps(targets, learner.hparams.micro_batch_size, nll):
-            return torch.tensor(float("nan"))
-        learner.step_metrics.update("loss/nll", total)
-        return torch.tensor(weight * total)
-
-    return Auxiliary(present=bool(targets), backward=backward)
+        """SGT baseline (``salvage.modules.graft_sgt``)."""
+        sgt_step(self, ra, rb, rng)
 
 
 def transplant(
@@ -694,11 +457,9 @@ def peer_turns(
         return [], []
     tok = receiver.tokenizer
     own_prompt = list(own.trajectories[0].turns[0].prompt_ids)  # the receiver's own format
-    prompts, resp, shape = [], [], []
+    prompts, resp = [], []
     for t in peers:
-        turns = [x for x in t.turns if x.train] if encode is not None else t.turns[:1]
-        shape.append(len(turns))
-        for turn in turns:
+        for turn in moved_turns(t, agents=encode is not None):
             ids = list(tok(turn.response_text, add_special_tokens=False)["input_ids"])
             if turn.finish_reason == "stop" and tok.eos_token_id is not None:  # ended
                 ids.append(int(tok.eos_token_id))
@@ -714,28 +475,7 @@ def peer_turns(
         batch_size=receiver.hparams.micro_batch_size,
         packed=receiver.hparams.pack_prompts,
     )
-    out: list[list[Turn]] = []
-    k = 0
-    for t, n in zip(peers, shape, strict=True):
-        src = [x for x in t.turns if x.train] if encode is not None else t.turns[:1]
-        out.append(
-            [
-                replace(
-                    turn,
-                    prompt_ids=prompts[k + i],
-                    response_ids=resp[k + i],
-                    logprobs=old[k + i],
-                    train=True,
-                )
-                if encode is not None
-                else Turn(
-                    prompt_ids=prompts[k + i],
-                    response_ids=resp[k + i],
-                    logprobs=old[k + i],
-                    response_text=turn.response_text,
-                )
-                for i, turn in enumerate(src)
-            ]
-        )
-        k += n
-    return peers, out
+    return peers, receiver_turns(peers, prompts, resp, old, agents=encode is not None)
+
+
+__all__ = ["NAMES", "GRAFTModule", "peer_turns", "sgt_auxiliary", "transplant"]

@@ -45,7 +45,6 @@ caller's global RNG is untouched).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -56,232 +55,22 @@ from salvage.distributed import check_gathered
 from salvage.lm import pad_left, response_logprobs
 from salvage.progress import stage
 from salvage.rollout.config import DEFAULT_GENERATE_TIMEOUT_S, EngineConfig, call_settings
+from salvage.rollout.hf_decode import (
+    TALL_HEAD_MIN_ROWS,
+    HeadSwap,
+    _sampled_logprobs,
+    _TallHead,
+    decode,
+    nucleus_filter,
+    tall_head_fits,
+)
 from salvage.types import Sample
 
 DECODE_LOOPS = ("own", "generate")
-TALL_HEAD_MIN_ROWS = 8192
-
-
-class _TallHead(torch.nn.Module):
-    """A bias-free LM head computed as ``W @ h.T`` (see the module docstring)."""
-
-    def __init__(self, head: torch.nn.Linear) -> None:
-        super().__init__()
-        self.head = head
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        flat = h.reshape(-1, h.shape[-1])
-        return torch.mm(self.head.weight, flat.t()).t().reshape(*h.shape[:-1], -1)
-
-
-def tall_head_fits(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s LM head may be computed as ``W @ h.T`` (``tall_head=None``)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if get is not None else None
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        return False
-    w = head.weight
-    cfg = getattr(model, "config", None)
-    transforms = any(
-        getattr(cfg, k, None) not in (None, 1.0)
-        for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    )
-    return (
-        type(w.data) is torch.Tensor  # not a DTensor (FSDP) or another subclass
-        and w.device.type == "cpu"
-        and w.dtype == torch.float32
-        and w.shape[0] >= TALL_HEAD_MIN_ROWS
-        and not transforms
-    )
-
-
-class HeadSwap:
-    """Within the block, ``model``'s LM head is a ``_TallHead`` over the same weight.
-
-    Reusable: entered again, it swaps in the same wrapper while the head is the same object
-    (a compiled decode step guards on the modules it ran; a new wrapper would recompile it).
-    """
-
-    def __init__(self, model: Any, on: bool) -> None:
-        self.model, self.on = model, on
-        self.head: torch.nn.Linear | None = None
-        self.tall: _TallHead | None = None
-
-    def __enter__(self) -> None:
-        if self.on:
-            head = self.model.get_output_embeddings()
-            if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-                raise ValueError(
-                    "engine.hf_tall_head=true needs a bias-free torch.nn.Linear LM head, got "
-                    f"{type(head).__name__}"
-                )
-            self.head = head
-            if self.tall is None or self.tall.head is not head:
-                self.tall = _TallHead(head)
-            self.model.set_output_embeddings(self.tall)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.head is not None:
-            self.model.set_output_embeddings(self.head)
-            self.head = None
 
 
 def _mix_seed(seed: int, chunk: int) -> int:
     return (seed * 1_000_003 + chunk * 7_919 + 17) % (2**63 - 1)
-
-
-def nucleus_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``scores`` (B, V) with the tokens outside each row's nucleus set to -inf.
-
-    Ascending by score, a token is cut while the probability mass up to and including it
-    is at most ``1 - top_p``; the most likely token always stays. (``generate``'s rule,
-    computed in the same order so that the same tokens survive.)
-    """
-    if top_p >= 1.0:
-        return scores
-    ordered, order = torch.sort(scores, dim=-1, descending=False)
-    mass = ordered.softmax(dim=-1).cumsum(dim=-1)
-    cut = mass <= 1.0 - top_p
-    cut[:, -1] = False
-    drop = torch.zeros_like(cut).scatter(1, order, cut)
-    return scores.masked_fill(drop, float("-inf"))
-
-
-def _sampled_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """log_softmax(logits / T) at ``tokens`` (T = 1 when greedy): the behaviour log-prob."""
-    t = temperature if temperature > 0 else 1.0
-    lg = logits if t == 1.0 else logits / t
-    return torch.log_softmax(lg, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first row of each distinct row of ``rows`` (in order of first appearance) and,
-    per row, the position of its distinct row in that list."""
-    seen: dict[tuple[int, ...], int] = {}
-    uniq: list[int] = []
-    where: list[int] = []
-    for i, r in enumerate(rows.tolist()):
-        k = tuple(r)
-        if k not in seen:
-            seen[k] = len(uniq)
-            uniq.append(i)
-        where.append(seen[k])
-    dev = rows.device
-    return torch.tensor(uniq, device=dev), torch.tensor(where, device=dev)
-
-
-@torch.no_grad()
-def decode(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    max_new: int,
-    temperature: float,
-    top_p: float,
-    eos_ids: set[int],
-    pad_id: int,
-    generator: torch.Generator | None,
-    ended: Any = None,
-    timings: dict[str, float] | None = None,
-    runner: Any = None,
-    runner_max_rows: int = 8,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample up to ``max_new`` tokens after each left-padded row of ``ids``.
-
-    One prefill (of each distinct row once: the n samples of a prompt share it), then one
-    forward of the last token per step with a ``DynamicCache``. A row ends at an eos
-    token (kept), when ``ended(row, tokens)`` says so (stop strings), or at ``max_new``
-    tokens; ended rows are dropped from the batch and the cache. Every step draws one multinomial over all rows (ended rows from a point mass on ``pad_id``),
-    so the generator advances as in ``generate``. Returns the tokens and their behaviour
-    log-probs (``log_softmax(logits / T)`` before the nucleus) per row. ``timings``, when
-    given, gets ``prefill_s`` / ``decode_s`` added (seconds). Under ``HeadSwap(model, True)``
-    the LM head runs as ``W @ h.T`` (the caller checks ``tall_head_fits``). ``runner``, when
-    given, runs the KV-cache steps of at most ``runner_max_rows`` live rows instead of
-    ``model`` (a ``torch.compile`` of it); the prefill and larger steps run ``model``.
-    """
-
-    from transformers import DynamicCache
-
-    lm: Any = model
-    B = ids.shape[0]
-    t0 = time.perf_counter()
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    try:
-        cache = DynamicCache(config=lm.config)
-    except TypeError:  # transformers < 4.56 takes no config
-        cache = DynamicCache()
-    # the cache keyword: ``cache`` from transformers 5.2x, ``past_key_values`` before
-    key = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
-    # rows with the same prompt (the n samples of a group) share one prefill: the unique
-    # rows go through the model, their cache and logits are then copied to every row
-    rows = torch.cat([ids, mask.to(ids.dtype)], dim=1)
-    uniq, first = _unique_rows(rows)
-    out = lm(
-        input_ids=ids[uniq],
-        attention_mask=mask[uniq],
-        position_ids=pos[uniq],
-        **{key: cache},
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[:, -1].float()
-    if len(uniq) < B:
-        cache.batch_select_indices(first)
-        logits = logits[first]
-    t1 = time.perf_counter()
-    live = torch.arange(B, device=ids.device)  # original row of each batch row
-    att = mask
-    last = pos[:, -1:]
-    toks: list[list[int]] = [[] for _ in range(B)]
-    lps: list[list[float]] = [[] for _ in range(B)]
-    for step in range(max_new):
-        if temperature > 0:
-            scores = nucleus_filter(logits / temperature if temperature != 1.0 else logits, top_p)
-            probs = scores.softmax(dim=-1)
-            if len(live) == B:
-                full = probs
-            else:
-                full = probs.new_zeros(B, probs.shape[-1])
-                full[:, pad_id] = 1.0
-                full[live] = probs
-            pick = torch.multinomial(full, 1, generator=generator).squeeze(1)[live]
-        else:
-            pick = logits.argmax(dim=-1)
-        lp = _sampled_logprobs(logits, pick, temperature)
-        keep: list[int] = []
-        for j, (row, t, v) in enumerate(
-            zip(live.tolist(), pick.tolist(), lp.tolist(), strict=True)
-        ):
-            toks[row].append(t)
-            lps[row].append(v)
-            if t in eos_ids or (ended is not None and ended(row, toks[row])):
-                continue
-            keep.append(j)
-        if not keep or step == max_new - 1:
-            break
-        nxt = pick[:, None]
-        att = torch.cat([att, att.new_ones(att.shape[0], 1)], dim=1)
-        last = last + 1
-        if len(keep) < len(live):
-            sel = torch.tensor(keep, device=ids.device)
-            live, nxt, att, last = live[sel], nxt[sel], att[sel], last[sel]
-            cache.batch_select_indices(sel)
-        small = runner is not None and len(live) <= runner_max_rows
-        out = (runner if small else lm)(
-            input_ids=nxt,
-            attention_mask=att,
-            position_ids=last,
-            **{key: cache},
-            use_cache=True,
-        )
-        logits = out.logits[:, -1].float()
-    if timings is not None:
-        timings["prefill_s"] = timings.get("prefill_s", 0.0) + t1 - t0
-        timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
-    return toks, lps
 
 
 class HFEngine:
@@ -446,12 +235,38 @@ class HFEngine:
         t0 = time.perf_counter()
         self._loop_timings = {}
         flat = [list(p) for p in prompts for _ in range(n)]
-        samples: list[Sample] = []
         check_gathered(self.model, "HFEngine.generate")
         device = next(self.model.parameters()).device
         recompute = self.recomputes(device)
         was_training = self.model.training
         self.model.eval()
+        try:
+            samples = self._sample(flat, device, seed, temperature, top_p, max_new, stop, recompute)
+        finally:
+            self.model.train(was_training)
+        t1 = time.perf_counter()
+        if recompute:
+            self._recompute(samples, temperature)
+        self.last_timings = {
+            "sample_s": t1 - t0,
+            "logprob_s": time.perf_counter() - t1,
+            **self._loop_timings,
+        }
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _sample(
+        self,
+        flat: list[list[int]],
+        device: torch.device,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        max_new: int,
+        stop: tuple[str, ...],
+        recompute: bool,
+    ) -> list[Sample]:
+        """Every prompt row sampled, in seeded chunks of ``batch_size`` rows."""
+        samples: list[Sample] = []
         bar_ctx = stage("generate", total=len(flat), unit="seq")
         bar = bar_ctx.__enter__()
         try:
@@ -474,26 +289,20 @@ class HFEngine:
                 bar.advance(len(part))
         finally:
             bar_ctx.__exit__(None, None, None)
-            self.model.train(was_training)
+        return samples
 
-        t1 = time.perf_counter()
-        if recompute:
-            rec = response_logprobs(
-                self.model,
-                [s.prompt_ids for s in samples],
-                [s.response_ids for s in samples],
-                self.pad_id,
-                temperature=temperature if temperature > 0 else 1.0,
-                batch_size=self.logprob_batch_size,
-            )
-            for s, lp in zip(samples, rec, strict=True):
-                s.logprobs = lp
-        self.last_timings = {
-            "sample_s": t1 - t0,
-            "logprob_s": time.perf_counter() - t1,
-            **self._loop_timings,
-        }
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def _recompute(self, samples: list[Sample], temperature: float) -> None:
+        """The behaviour log-probs by a teacher-forced pass at the sampling temperature."""
+        rec = response_logprobs(
+            self.model,
+            [s.prompt_ids for s in samples],
+            [s.response_ids for s in samples],
+            self.pad_id,
+            temperature=temperature if temperature > 0 else 1.0,
+            batch_size=self.logprob_batch_size,
+        )
+        for s, lp in zip(samples, rec, strict=True):
+            s.logprobs = lp
 
     def _decode_own(
         self,
@@ -617,3 +426,14 @@ class HFEngine:
             finish_reason=reason,
             seed=seed,
         )
+
+
+__all__ = [
+    "DECODE_LOOPS",
+    "TALL_HEAD_MIN_ROWS",
+    "HFEngine",
+    "HeadSwap",
+    "decode",
+    "nucleus_filter",
+    "tall_head_fits",
+]
