@@ -287,6 +287,10 @@ class RolloutEngine(Protocol):
         """For each prompt (token ids) return ``n`` samples."""
         ...
 
+    def close(self) -> None:
+        """The engine is done: free what it holds (vLLM: its ``LLM``, temporary files)."""
+        ...
+
 
 @dataclass
 class Response:
