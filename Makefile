@@ -48,7 +48,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PINS := torch==2.13.0 transformers>=5.16.1,<5.20
 # a head size vLLM's CPU attention takes (tiny's is 16): 4 heads of 64
 VLLM_POLICY := {name_or_path: tiny, hidden_size: 256}
-VLLM_FIT := $(VBIN)/python -m salvage.cli fit --trainer.enable_progress_bar false \
+VLLM_FIT := $(VBIN)/python -m salvage fit --trainer.enable_progress_bar false \
 	--trainer.logger false --data.init_args.engine.backend vllm \
 	--data.init_args.engine.vllm_dtype float32
 

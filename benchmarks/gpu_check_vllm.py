@@ -116,7 +116,7 @@ def fit_cmd(method: str, model_dir: Path | None, out: Path, gpu: bool) -> list[s
         "vhgpo": "configs/vhgpo/twx_tiny.yaml",
         "graft": "configs/graft/math_tiny.yaml",
     }[method]
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", cfg]
+    cmd = [sys.executable, "-m", "salvage", "fit", "--config", cfg]
     steps = 3 if gpu else 1
     if gpu:
         cmd += ["--config", "configs/trainer/gpu.yaml"]
