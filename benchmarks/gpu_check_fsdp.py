@@ -332,7 +332,7 @@ def cmd_done(args) -> None:
 def cmd_export(args) -> None:
     from transformers import AutoModelForCausalLM
 
-    from salvage.export import export
+    from salvage.commands.export import export
 
     name = "distributed checkpoint save -> resume -> export"
     ckpt = Path(args.ckpt)
@@ -355,7 +355,7 @@ def cmd_export(args) -> None:
 
 def _parse(args: list[str]):
     """A config resolved by salvage's CLI parser, nothing instantiated."""
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     class ParseOnly(SalvageCLI):
         def instantiate_classes(self) -> None:

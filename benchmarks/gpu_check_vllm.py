@@ -126,7 +126,7 @@ def fit_cmd(
         "vhgpo": "configs/vhgpo/twx_tiny.yaml",
         "graft": "configs/graft/math_tiny.yaml",
     }[method]
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", cfg]
+    cmd = [sys.executable, "-m", "salvage", "fit", "--config", cfg]
     steps = 3 if gpu else 1
     if gpu:
         cmd += ["--config", "configs/trainer/gpu.yaml"]

@@ -93,7 +93,7 @@ def main() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         str(ROOT / "configs/graft/math_tiny.yaml"),

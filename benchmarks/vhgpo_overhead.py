@@ -33,7 +33,7 @@ def run(steps: int, extra: list[str], root: Path) -> list[dict[str, str]]:
     cmd = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         str(ROOT / "configs/vhgpo/twx_tiny.yaml"),

@@ -28,7 +28,6 @@ import errno
 import io
 import os
 import pickle
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from salvage.errors import ConfigError
+from salvage.history import STAGE_FILE, VERSION_DIR, run_versions
 
 PARTIAL = ".partial-"
 _CHUNK = 1 << 20
@@ -194,21 +194,6 @@ class SafeCheckpointIO(TorchCheckpointIO):
         write_atomic_bytes(path, buf.getbuffer())
 
 
-_VERSION = re.compile(r"^version_(\d+)$")
-STAGE_FILE = "stage.txt"
-"""``RUN/version_N/stage.txt``: the stage that wrote the version (``fit``, ``validate``,
-``test``), so readers of a run's fit history leave evaluations out."""
-
-
-def run_versions(root: str | Path) -> list[Path]:
-    """``root/version_N`` directories in increasing N."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in r.iterdir() if (m := _VERSION.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
 def find_last_checkpoint(root: str | Path) -> Path | None:
     """The newest ``last.ckpt`` of run dir ``root``: the highest ``version_N`` holding one.
 
@@ -273,7 +258,7 @@ class RunConfigRecorder(L.Callback):
         if trainer.is_global_zero:
             for v in run_versions(root):
                 remove_partials(v / "checkpoints")
-            if log_dir and _VERSION.match(Path(log_dir).name):  # what wrote this version
+            if log_dir and VERSION_DIR.match(Path(log_dir).name):  # what wrote this version
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
                 name = str(getattr(stage, "value", stage))  # TrainerFn.FITTING -> "fit"
                 (Path(log_dir) / STAGE_FILE).write_text(f"{name}\n", encoding="utf-8")

@@ -23,3 +23,19 @@ class DataError(SalvageError, ValueError):
 
 class MissingFileError(ConfigError, FileNotFoundError):
     """A file or directory the config names does not exist (names the key and the path)."""
+
+
+def user_error(exc: BaseException) -> SalvageError | None:
+    """The ``SalvageError`` behind ``exc`` (itself, or a cause or context a library such as
+    jsonargparse wrapped it in), if any."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, SalvageError):
+            return e
+        todo += [e.__cause__, e.__context__]
+    return None

@@ -121,7 +121,7 @@ class WandbLogger(_LightningWandbLogger):
         config_yaml: str | None = None,
     ) -> None:
         """The run directory (resolved when W&B starts), the checkpoint a run resumes from,
-        and the resolved config to log (called by ``salvage.cli`` before the trainer starts)."""
+        and the resolved config to log (called by ``salvage fit`` before the trainer starts)."""
         self._run_dir, self._resume_from, self._config_yaml = run_dir, resume_from, config_yaml
 
     @property

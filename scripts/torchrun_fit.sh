@@ -22,4 +22,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # shellcheck disable=SC2086
 exec ${TORCHRUN:-torchrun} --nnodes="$NNODES" --nproc-per-node="$GPUS_PER_NODE" \
     --node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-    -m salvage.cli fit "$@" --trainer.num_nodes "$NNODES" --trainer.devices "$GPUS_PER_NODE"
+    -m salvage fit "$@" --trainer.num_nodes "$NNODES" --trainer.devices "$GPUS_PER_NODE"

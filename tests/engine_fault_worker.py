@@ -54,6 +54,6 @@ hf.HFEngine.generate = _faulty_generate  # type: ignore[method-assign]
 hf.HFEngine.rebuild = _counted_rebuild  # type: ignore[method-assign]
 
 if __name__ == "__main__":
-    from salvage.cli import main
+    from salvage.commands.cli import main
 
     main(sys.argv[2:])

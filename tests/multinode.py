@@ -18,7 +18,7 @@ them talk through ``127.0.0.1``, the way the same command would run on N machine
 
 ``start`` runs any such commands, e.g. ``scripts/slurm_fit.sbatch`` under ``sbatch_env`` with
 the ``srun`` / ``scontrol`` of ``fake_slurm`` first on ``PATH``, or ``scripts/torchrun_fit.sh``
-once per node under ``torchrun_env``. ``python -m salvage.cli`` is the ``salvage`` entry point. The runs use a reward that depends
+once per node under ``torchrun_env``. ``python -m salvage`` is the ``salvage`` entry point. The runs use a reward that depends
 on the sampled text (``OddLength``), so that groups have a learning signal and the
 parameters move; ``Capture`` (a callback appended with ``--trainer.callbacks+``) records
 which tasks each global rank trained on at each step.
@@ -210,18 +210,18 @@ def launch(
     cmds: list[tuple[list[str], dict[str, str]]] = []
     if style == "single":
         assert nodes == 1
-        cmds.append(([sys.executable, "-m", "salvage.cli", *args], env0))
+        cmds.append(([sys.executable, "-m", "salvage", *args], env0))
     elif style == "node":
         for node in range(nodes):
             env = dict(env0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
             env["WORLD_SIZE"] = str(nodes * devices)
-            cmds.append(([sys.executable, "-m", "salvage.cli", *args], env))
+            cmds.append(([sys.executable, "-m", "salvage", *args], env))
     elif style == "torchrun":
         for node in range(nodes):
             run = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}"]
             run += [f"--nproc-per-node={devices}", f"--node-rank={node}"]
             run += ["--master-addr=127.0.0.1", f"--master-port={port}"]
-            cmds.append(([*run, "-m", "salvage.cli", *args], env0))
+            cmds.append(([*run, "-m", "salvage", *args], env0))
     else:
         world = nodes * devices
         for node in range(nodes):
@@ -237,7 +237,7 @@ def launch(
                     env.update(slurm_env(nodes, devices, node, local))
                 else:
                     raise ValueError(style)
-                cmds.append(([sys.executable, "-m", "salvage.cli", *args], env))
+                cmds.append(([sys.executable, "-m", "salvage", *args], env))
     return start(cmds, out, timeout, prefix=capture, check=check)
 
 
@@ -310,7 +310,7 @@ def sbatch_env(capture: Path, nodes: int, tasks_per_node: int, bin_dir: Path) ->
         SLURM_NTASKS_PER_NODE=str(tasks_per_node),
         SLURM_CPUS_PER_TASK="1",
         MASTER_PORT=str(free_port()),
-        SALVAGE=f"{sys.executable} -m salvage.cli",
+        SALVAGE=f"{sys.executable} -m salvage",
     )
     return env
 

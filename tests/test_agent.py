@@ -141,7 +141,7 @@ def _env():
 def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
     _needs_twx()
     run = tmp_path / "RUN"
-    base = [sys.executable, "-m", "salvage.cli"]
+    base = [sys.executable, "-m", "salvage"]
     cfg = [
         "--config",
         str(ROOT / "configs/agent/twx_grpo.yaml"),

@@ -1,7 +1,7 @@
 """Bad inputs, as a new user would give them, through the real ``salvage`` CLI.
 
 Each row of ``CASES`` builds one bad input under a temporary dir and runs
-``python -m salvage.cli ...`` on it as a subprocess; the run must end with the row's exit
+``python -m salvage ...`` on it as a subprocess; the run must end with the row's exit
 status (2: a user error), print at most 3 lines (stdout and stderr together) and name the
 file or key and the value in its message. The rows run side by side once per module
 (``results``), so the file stays short although every row starts a Python; rows that need a
@@ -50,7 +50,7 @@ def _env() -> dict[str, str]:
 
 def _cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "salvage.cli", *args],
+        [sys.executable, "-m", "salvage", *args],
         cwd=cwd,
         env=_env(),
         capture_output=True,
@@ -434,7 +434,7 @@ def test_bad_input_is_one_line_naming_it(case, results, finished_run):
 def test_disk_full_during_a_checkpoint_names_the_path_and_keeps_the_last_one(tmp_path, monkeypatch):
     from salvage import checkpointing
     from salvage.checkpointing import CheckpointWriteError, SafeCheckpointIO
-    from salvage.cli import user_error
+    from salvage.errors import user_error
 
     target = tmp_path / "checkpoints" / "last.ckpt"
     io = SafeCheckpointIO()
@@ -491,8 +491,8 @@ def test_partials_of_a_live_writer_survive_a_new_run_in_the_same_dir(tmp_path):
 def test_a_salvage_test_into_a_copied_run_leaves_its_fit_history_readable(finished_run, tmp_path):
     """joint-cost and report read the fit versions of a run dir moved elsewhere, past the
     version a `salvage test` wrote into it."""
-    from salvage.joint_cost import run_checkpoint_cost
-    from salvage.report import load_run, run_lineage
+    from salvage.commands.joint_cost import run_checkpoint_cost
+    from salvage.history import load_run, run_lineage
 
     run = tmp_path / "moved"
     shutil.copytree(finished_run, run)

@@ -348,7 +348,7 @@ def test_cli_twx_tiny_baseline_configs_fit(tmp_path, fragment, extra, metric):
     args += ["--trainer.enable_progress_bar", "false", "--trainer.callbacks=[]"]
     args += ["--trainer.limit_val_batches", "0", "--data.init_args.tasks_per_step", "2"]
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "fit", *args, *extra],
+        [sys.executable, "-m", "salvage", "fit", *args, *extra],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -37,7 +37,7 @@ def _documented_configs(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_config_parses_and_instantiates(path, monkeypatch):
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     configs = _documented_configs(path)
     text = "".join((ROOT / c).read_text() for c in configs)
@@ -77,7 +77,7 @@ def test_config_parses_and_instantiates(path, monkeypatch):
 
 
 def _resolve(*configs: str) -> dict:
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     class ParseOnly(SalvageCLI):
         def instantiate_classes(self) -> None:

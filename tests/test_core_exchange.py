@@ -118,7 +118,8 @@ def test_transfer_rows_by_hand():
 
 
 def test_admission_by_direction_by_hand():
-    from salvage.report import Admission, admission_by_direction, admission_lines, log_s
+    from salvage.commands.report import admission_lines
+    from salvage.history import Admission, admission_by_direction, log_s
 
     rows = [
         {"direction": "a_to_b", "success": True, "admitted": True},

@@ -1,6 +1,6 @@
 """User errors: one line naming the file or key, through the ``salvage`` CLI.
 
-Each case runs ``salvage.cli.main`` in-process with the real config and the `tiny` model;
+Each case runs ``salvage.commands.cli.main`` in-process with the real config and the `tiny` model;
 the error must come before any training, as ``salvage: error: ...`` (exit status 2), with
 no traceback and no jsonargparse namespace dump; ``--debug`` shows the exception.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from salvage.cli import main
+from salvage.commands.cli import main
 from salvage.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]

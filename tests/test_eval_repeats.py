@@ -100,7 +100,7 @@ def _test_run(tmp_path, config, extra, name):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "test",
             "--config",
             str(ROOT / config),

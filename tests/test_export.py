@@ -45,7 +45,7 @@ def test_export_round_trip(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "export",
             str(tmp_path / "ck" / "last.ckpt"),
             str(out),
@@ -69,7 +69,7 @@ def test_export_round_trip(tmp_path):
 
 
 def test_export_refuses_an_ambiguous_graft_checkpoint(tmp_path):
-    from salvage.export import export
+    from salvage.commands.export import export
 
     torch.save(
         {"hyper_parameters": {}, "state_dict": {"a.policy.x": torch.zeros(1)}}, tmp_path / "g.ckpt"
@@ -79,7 +79,7 @@ def test_export_refuses_an_ambiguous_graft_checkpoint(tmp_path):
 
 
 def test_export_of_a_run_dir_takes_its_newest_versions_last_checkpoint(tmp_path):
-    from salvage.export import export
+    from salvage.commands.export import export
 
     run = tmp_path / "run"
     for v in ("version_0", "version_1"):

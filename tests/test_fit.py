@@ -139,7 +139,7 @@ def test_cli_fit_math_tiny_writes_metrics_csv(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         str(ROOT / "configs/grpo/math_tiny.yaml"),
@@ -172,7 +172,7 @@ def test_cli_resume_with_ckpt_path_last(tmp_path):
     base = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         str(ROOT / "configs/grpo/math_tiny.yaml"),
@@ -209,7 +209,7 @@ def test_cli_refuses_bad_config_before_loading_anything(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         str(ROOT / "configs/grpo/math_tiny.yaml"),
@@ -258,7 +258,7 @@ def test_unknown_ablation_callback_is_refused_naming_it(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         str(ROOT / "configs/vhgpo/twx_tiny.yaml"),

@@ -200,7 +200,7 @@ def test_fsdp2_distributed_checkpoint_exports_to_hf(tmp_path):
     """FSDP2 on 2 ranks writes a distributed checkpoint; ``salvage export`` merges it into an HF dir."""
     from transformers import AutoModelForCausalLM
 
-    from salvage.export import export
+    from salvage.commands.export import export
 
     two = _run("grpo", tmp_path / "two", 2, "--checkpoint")
     ckpt = two / "checkpoints" / "last.ckpt"
@@ -220,7 +220,7 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
     base = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         "configs/grpo/math_tiny.yaml",

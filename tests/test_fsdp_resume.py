@@ -58,7 +58,7 @@ def _fit(root: Path, dump: Path, steps: int, *extra: str) -> str:
     cmd = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "fit",
         "--config",
         "configs/vhgpo/twx_tiny.yaml",

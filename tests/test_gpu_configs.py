@@ -148,7 +148,7 @@ def _shrink_args(configs: list[str], policy_keys: list[str], tmp: Path) -> list[
 
 
 def _parse(args: list[str]) -> Any:
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     class ParseOnly(SalvageCLI):
         def instantiate_classes(self) -> None:
@@ -185,7 +185,7 @@ def test_gpu_config_shrunk_to_tiny_changes_most_parameters(path, tmp_path, monke
     for k in keys:
         assert m[k]["dtype"] == init[k]["dtype"] and m[k]["name_or_path"] == "tiny"
 
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     class NoData(SalvageCLI):  # the config's data (hub datasets, envs) is replaced by a batch
         def instantiate_classes(self) -> None:

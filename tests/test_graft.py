@@ -160,7 +160,7 @@ def test_cli_graft_math_tiny_logs_graft_metrics(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "fit",
             "--config",
             str(ROOT / "configs/graft/math_tiny.yaml"),
@@ -527,7 +527,7 @@ def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "fit",
             *common,
             "--trainer.max_steps",
@@ -553,7 +553,7 @@ def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "test",
             *common,
             "--ckpt_path",
@@ -712,7 +712,7 @@ def _inked(png):
 
 
 def test_report_plots_log_s_per_direction_and_tables_admission(gated_run):
-    from salvage.report import make_report
+    from salvage.commands.report import make_report
 
     root, log_dir = gated_run
     recs = [json.loads(x) for x in (log_dir / "exchange.jsonl").read_text().splitlines()]
@@ -734,7 +734,7 @@ def test_report_plots_log_s_per_direction_and_tables_admission(gated_run):
 def test_compare_pools_admission_over_seeds_of_graft_runs(tmp_path, gated_run):
     import shutil
 
-    from salvage.compare import compare
+    from salvage.commands.compare import compare
 
     _, log_dir = gated_run
     study = tmp_path / "study"

@@ -11,7 +11,7 @@ MATH_TINY = str(ROOT / "configs/grpo/math_tiny.yaml")
 
 
 def test_fit_prints_its_run_dir_and_the_next_commands(tmp_path, capsys):
-    from salvage.cli import main
+    from salvage.commands.cli import main
 
     run = tmp_path / "RUN"
     main(

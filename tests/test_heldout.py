@@ -177,7 +177,7 @@ def _datamodule(args: list[str]):
     import lightning as L
     from jsonargparse import ArgumentParser
 
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     class ParseOnly(SalvageCLI):
         def instantiate_classes(self) -> None:
@@ -261,7 +261,7 @@ STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
 def test_every_study_has_no_heldout_overlap_with_its_runs_or_warm_starts(path, monkeypatch):
-    from salvage.study import load_study, plan
+    from salvage.commands.study import load_study, plan
 
     monkeypatch.chdir(ROOT)
     if "twx" in path.read_text():

@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 from jsonargparse import ArgumentParser
 
-import salvage.cli  # noqa: F401  (turns on dataclass attribute docstrings in help)
+import salvage.commands.fit  # noqa: F401  (turns on dataclass attribute docstrings in help)
 
 PACKAGES = ("salvage.modules", "salvage.datamodules", "salvage.callbacks")
 SKIP_ACTIONS = ("_ActionConfigLoad", "_ActionHelpClassPath", "ActionConfigFile", "_HelpAction")
@@ -93,7 +93,7 @@ def test_every_init_argument_has_a_description(cls):
 
 
 def test_cli_help_shows_the_descriptions(capsys):
-    from salvage.cli import main
+    from salvage.commands.cli import main
 
     with pytest.raises(SystemExit):
         main(["fit", "--model.help", "salvage.modules.grpo.GRPOModule"])

@@ -8,7 +8,7 @@ import sys
 
 def test_import_salvage_does_not_import_vllm_or_wandb():
     code = (
-        "import sys, salvage, salvage.types, salvage.core.grpo, salvage.cli, salvage.modules.grpo, "
+        "import sys, salvage, salvage.types, salvage.core.grpo, salvage.commands.cli, salvage.commands.fit, salvage.modules.grpo, "
         "salvage.datamodules.rlvr, salvage.rollout.hf, salvage.callbacks.cost\n"
         "bad = [m for m in ('vllm', 'wandb') if m in sys.modules]\n"
         "print(bad)\n"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from salvage.commands.joint_cost import joint_cost, run_checkpoint_cost
 from salvage.core.cost import SelectedCheckpoint, best_checkpoint_cost, separate_runs_cost
-from salvage.joint_cost import joint_cost, run_checkpoint_cost
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def _cli(args, tmp_path):
         PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", *args],
+        [sys.executable, "-m", "salvage", *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -51,11 +51,11 @@ from lightning.pytorch.loggers import CSVLogger
 from salvage.callbacks.answer_sft import AnswerSFT
 from salvage.datamodules.graft import GraftDataModule
 from salvage.datamodules.rlvr import RLVRDataModule
+from salvage.history import load_metrics
 from salvage.models import PolicySpec
 from salvage.modules.graft import GRAFTModule
 from salvage.modules.grpo import GRPOModule
 from salvage.modules.vhgpo import VHGPOModule
-from salvage.report import load_metrics
 from salvage.rollout.config import EngineConfig
 from salvage.tasks.math import MathData, Reward, RewardResult
 from salvage.types import RelayData, RolloutBatch, SeqTarget

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from salvage.compare import collect, read_run
-from salvage.joint_cost import run_checkpoint_cost
-from salvage.report import load_run, run_lineage
+from salvage.commands.compare import collect, read_run
+from salvage.commands.joint_cost import run_checkpoint_cost
+from salvage.history import load_run, run_lineage
 
 
 def _version(
@@ -130,7 +130,7 @@ def test_compare_finds_runs_beside_method_dirs_at_any_depth(tmp_path):
 
 def test_a_torn_metrics_file_is_read_as_far_as_it_goes_or_named(tmp_path):
     from salvage.errors import DataError
-    from salvage.report import load_metrics
+    from salvage.history import load_metrics
 
     torn = tmp_path / "torn.csv"
     torn.write_bytes(b"step,a,b\n0,1,2\n1,3,4\n2,5")  # a crash mid-row

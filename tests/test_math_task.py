@@ -146,7 +146,7 @@ def test_eval_harness_on_a_slice_of_each_benchmark_prints_the_table(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "test",
             "--config",
             "configs/grpo/math_tiny.yaml",

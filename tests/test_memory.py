@@ -171,7 +171,7 @@ def test_every_shipped_gpu_config_fits_80gb_gpus(monkeypatch):
 
 
 def test_print_memory_prints_and_exits_before_loading(capsys, monkeypatch):
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_:

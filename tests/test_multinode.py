@@ -80,7 +80,7 @@ def _params(run: Path) -> dict[str, torch.Tensor]:
     if ckpts[0].is_dir():
         from transformers import AutoModelForCausalLM
 
-        from salvage.export import export
+        from salvage.commands.export import export
 
         assert torch.load(ckpts[0] / "meta.pt", weights_only=True)["global_step"] == 2
         hf = export(ckpts[0], tempfile.mkdtemp(prefix="hf_", dir=run))

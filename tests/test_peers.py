@@ -291,7 +291,7 @@ def test_three_peers_exchange_per_ordered_pair(tmp_path, rule, monkeypatch):
 def test_cli_three_peers_fit_report_matrix_and_export(tmp_path):
     run = tmp_path / "RUN"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
-    salvage = [sys.executable, "-m", "salvage.cli"]
+    salvage = [sys.executable, "-m", "salvage"]
     proc = subprocess.run(
         [
             *salvage,

@@ -61,7 +61,7 @@ def test_cli_twx_tiny_monotone_search(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "fit",
             "--config",
             str(root / "configs/vhgpo/twx_tiny.yaml"),

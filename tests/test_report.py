@@ -25,7 +25,7 @@ def _non_blank(png):
 def test_report_on_a_vhgpo_run(tmp_path):
     trainer, _, _ = _run(tmp_path, VerifiedHandoff(relay=RelayConfig(**CFG), teacher=ORACLE))
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "report", str(tmp_path)],
+        [sys.executable, "-m", "salvage", "report", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -43,7 +43,7 @@ def test_report_on_a_vhgpo_run(tmp_path):
 
 
 def test_report_needs_a_run_dir(tmp_path):
-    from salvage.report import make_report
+    from salvage.commands.report import make_report
 
     with pytest.raises(FileNotFoundError, match="no metrics.csv"):
         make_report(tmp_path)

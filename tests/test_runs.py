@@ -24,7 +24,7 @@ QUIET = ["--trainer.enable_progress_bar", "false"]
 
 def cli(args: list[str], capsys) -> tuple[int, str]:
     """Run ``salvage`` in this process; (exit code, stderr + error text)."""
-    from salvage.cli import main
+    from salvage.commands.cli import main
 
     try:
         main(args)
@@ -115,7 +115,8 @@ def test_runs_never_cross_and_resume_is_checked(tmp_path, capsys):
     assert "model.init_args.lr" in err  # still told
     assert steps_of(run / "version_3" / "metrics.csv") == [2]
     # the run's history: version 3 <- 2 <- 0; version 1 (seed 7) is another run
-    from salvage.report import load_run, make_report
+    from salvage.commands.report import make_report
+    from salvage.history import load_run
 
     m, _, files = load_run(run)
     assert [p.parent.name for p in files] == ["version_0", "version_2", "version_3"]
@@ -181,7 +182,7 @@ def _tampered(src: Path, dst: Path, key: str = "policy") -> Path:
 
 
 def test_a_checkpoint_cannot_choose_the_model_or_turn_on_remote_code(tmp_path, capsys):
-    from salvage.export import ExportError, export
+    from salvage.commands.export import ExportError, export
 
     run = tmp_path / "RUN"
     base = ["--config", MATH_TINY, "--trainer.default_root_dir", str(run), *QUIET]
@@ -274,7 +275,7 @@ _KILLER = textwrap.dedent(
     os.write, os.sendfile = write, sendfile
     import shutil
     shutil._USE_CP_SENDFILE = True
-    from salvage.cli import main
+    from salvage.commands.cli import main
     main(sys.argv[1:])
     """
 )
@@ -300,7 +301,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_last_complete_one(tmp_path):
     assert torch.load(ck, weights_only=True)["global_step"] == 1  # complete, from update 1
     env.pop("KILL_AT_CKPT")
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "fit", *base, "--trainer.max_steps", "3"]
+        [sys.executable, "-m", "salvage", "fit", *base, "--trainer.max_steps", "3"]
         + ["--ckpt_path", "last"],
         env=env,
         capture_output=True,
@@ -339,7 +340,7 @@ def _version(run: Path, n: int, steps: list[int], value: float, resumed_from: in
 
 
 def test_report_reads_every_version_of_a_run_once(tmp_path):
-    from salvage.report import load_run
+    from salvage.history import load_run
 
     run = tmp_path / "RUN"
     _version(run, 0, [0, 1, 2], 0.0, None)  # crashed after logging update 2, checkpoint at 2

@@ -38,7 +38,7 @@ def _default_sigint() -> None:
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
 def test_a_fit_stopped_by_a_signal_exits_nonzero_and_resumable(tmp_path, sig, code):
     root = tmp_path / "run"
-    cmd = [sys.executable, "-m", "salvage.cli", "fit", "--config", str(TINY), *QUICK]
+    cmd = [sys.executable, "-m", "salvage", "fit", "--config", str(TINY), *QUICK]
     cmd += ["--trainer.max_steps", "100000", "--trainer.default_root_dir", str(root)]
     proc = subprocess.Popen(
         cmd,

@@ -32,7 +32,7 @@ def test_alfworld_error_names_the_split_keys_that_are_read(monkeypatch):
 @pytest.mark.parametrize("path", ALFWORLD_CONFIGS, ids=lambda p: p.name)
 def test_alfworld_one_liners_set_the_data_path_of_every_split(path, tmp_path, monkeypatch):
     """The command on a config's first line, run as written, points train, val and test at the data."""
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
 
     first = path.read_text().splitlines()[0]
     assert "kwargs.data_path" not in first

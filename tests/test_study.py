@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from salvage.compare import compare, heldout_keys, read_run
-from salvage.study import (
+from salvage.commands.compare import compare, heldout_keys, read_run
+from salvage.commands.study import (
     Busy,
     Criterion,
     evaluate,
@@ -27,7 +27,7 @@ from salvage.study import (
     run_env,
     run_study,
 )
-from salvage.study import main as study_main
+from salvage.commands.study import main as study_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/grpo/math_tiny.yaml"
@@ -133,7 +133,7 @@ def test_regime_block_errors_name_the_file_key_and_value(tmp_path, regime, match
 
 
 def test_regime_block_defaults_and_the_calibration_run(tmp_path):
-    from salvage.study import calibration_runs
+    from salvage.commands.study import calibration_runs
 
     f = _write(
         tmp_path / "s.yaml",
@@ -227,7 +227,7 @@ def test_criteria_on_hand_made_metrics():
 def test_a_stopped_run_is_not_done_and_resumes_on_the_next_call(tmp_path, monkeypatch, capsys):
     # a stand-in fit: without --ckpt_path it writes a checkpoint and exits 75 (stopped by
     # SIGTERM); resumed, it exits 0
-    from salvage import study as study_mod
+    from salvage.commands import study as study_mod
 
     f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: []}}\n")
     script = (
@@ -349,7 +349,7 @@ def test_plan_builds_one_fit_per_method_and_seed(tmp_path, monkeypatch):
     ]
     # fresh run: no resume; a last.ckpt in either layout -> resume through --ckpt_path last
     cmd = r.command()
-    assert cmd[:4] == [sys.executable, "-m", "salvage.cli", "fit"] and "--ckpt_path" not in cmd
+    assert cmd[:4] == [sys.executable, "-m", "salvage", "fit"] and "--ckpt_path" not in cmd
     for layout in ("checkpoints/last.ckpt", "version_1/checkpoints/last.ckpt"):
         ck = _write(r.dir / layout, "x")
         assert r.command()[-2:] == ["--ckpt_path", "last"], layout
@@ -385,7 +385,7 @@ def test_finished_runs_are_skipped_and_changed_ones_flagged(tmp_path, capsys):
 def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
     # each "fit" records when it starts and ends and sleeps 1.5 s: with --jobs 2 the two runs
     # overlap in time (sequentially the second starts after the first ended), both end done
-    from salvage import study as study_mod
+    from salvage.commands import study as study_mod
 
     f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0, 1]\nmethods: {{grpo: []}}\n")
     script = (
@@ -528,7 +528,7 @@ def test_compare_warns_when_seed_sets_differ(tmp_path):
 
 
 def test_compare_power_columns_one_seed_sd_zero_and_the_effect_flag(tmp_path, capsys):
-    from salvage.compare import main
+    from salvage.commands.compare import main
 
     s = tmp_path / "study"
     for seed, (g, v, d) in enumerate(((0.1, 0.4, 0.2), (0.3, 0.5, 0.4), (0.2, 0.6, 0.3))):
@@ -590,7 +590,7 @@ def test_micro_study_killed_resumed_and_compared(tmp_path):
         "  drgrpo: [{data.init_args.advantage: drgrpo}]\n",
     )
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    cmd = [sys.executable, "-m", "salvage", "study", str(f), "--out", str(out)]
     proc = subprocess.Popen(
         cmd, env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -622,7 +622,7 @@ def test_micro_study_killed_resumed_and_compared(tmp_path):
     assert res3.returncode == 0 and "4 runs, 4 done, 0 to run" in res3.stdout
 
     res = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "compare", str(out)],
+        [sys.executable, "-m", "salvage", "compare", str(out)],
         env=_env(),
         capture_output=True,
         text=True,
@@ -650,7 +650,7 @@ def test_ray_backend_runs_each_run_as_a_task(tmp_path):
     )
     out = tmp_path / "study"
     env = _env() | {"RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    cmd = [sys.executable, "-m", "salvage", "study", str(f), "--out", str(out)]
     res = subprocess.run([*cmd, "--backend", "ray"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "'num_cpus': 1.0, 'num_gpus': 0.0" in res.stdout
@@ -664,7 +664,7 @@ def test_prepare_steps_run_once_before_the_runs_and_a_failure_stops_the_study(
 ):
     # real `salvage` subcommands as set-up steps (compare on a tiny hand-made run dir, then an
     # export that must fail); the fits themselves are a quick stand-in
-    from salvage import study as study_mod
+    from salvage.commands import study as study_mod
 
     monkeypatch.chdir(tmp_path)
     _write(tmp_path / "made_from/version_0/metrics.csv", "step,val/success\n0,0.5\n1,0.75\n")
@@ -745,7 +745,7 @@ def test_kill_9_of_a_study_stops_its_fit_and_the_next_call_resumes_it(tmp_path):
     )
     out = tmp_path / "study"
     run = out / "grpo" / "seed0"
-    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    cmd = [sys.executable, "-m", "salvage", "study", str(f), "--out", str(out)]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     child = _running_child(proc, run)
     assert os.getpgid(child) == child != proc.pid  # its own session
@@ -781,7 +781,7 @@ def test_a_signalled_study_stops_its_fits_and_exits_nonzero(tmp_path, sig, code)
     )
     out = tmp_path / "study"
     run = out / "grpo" / "seed0"
-    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    cmd = [sys.executable, "-m", "salvage", "study", str(f), "--out", str(out)]
     proc = subprocess.Popen(
         cmd,
         env=_env(),
@@ -858,7 +858,7 @@ def test_regime_check_gates_the_record_runs(tmp_path, capsys):
 
 
 def test_a_criterion_can_name_another_methods_calibration_run(tmp_path):
-    from salvage.study import calibration_runs, evaluate
+    from salvage.commands.study import calibration_runs, evaluate
 
     f = _write(
         tmp_path / "s.yaml",

@@ -27,7 +27,7 @@ def _fit(tmp_path: Path, *extra: str) -> str:
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "fit",
             "--config",
             str(ROOT / "configs/grpo/math_tiny.yaml"),

@@ -273,7 +273,7 @@ def test_cli_twx_tiny_retains_relays(tmp_path):
         [
             sys.executable,
             "-m",
-            "salvage.cli",
+            "salvage",
             "fit",
             "--config",
             str(root / "configs/vhgpo/twx_tiny.yaml"),
@@ -303,7 +303,7 @@ def test_cli_twx_tiny_retains_relays(tmp_path):
     assert float(rows[-1]["cost/extra_token_ratio"]) > 0
     # and `salvage report` renders that run directory
     proc = subprocess.run(
-        [sys.executable, "-m", "salvage.cli", "report", str(run)],
+        [sys.executable, "-m", "salvage", "report", str(run)],
         capture_output=True,
         text=True,
         timeout=120,

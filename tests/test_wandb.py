@@ -126,7 +126,7 @@ def cli(args: list[str], capsys) -> str:
     written every record before the test reads them, and the next run reads its settings
     (``WANDB_RUN_GROUP``, ...) from the environment afresh.
     """
-    from salvage.cli import main
+    from salvage.commands.cli import main
 
     try:
         main(args)
@@ -222,7 +222,7 @@ def test_graft_tiny_study_run_exchange_table_resume_and_test(
     """A GRAFT run of a study (W&B group = study, job type = method), resumed once, then
     tested: the exchange table, no row twice after the resume, the evaluation and
     checkpoint-cost tables of ``salvage test``."""
-    from salvage.study import load_study, plan, run_env
+    from salvage.commands.study import load_study, plan, run_env
 
     study_file = tmp_path / "s.yaml"
     study_file.write_text(
@@ -359,7 +359,7 @@ def test_lightnings_wandb_logger_in_a_config_runs_as_salvages_beside_a_csv_logge
     wandb_env, tmp_path
 ):
     from salvage.callbacks.dashboard import WandbDashboard
-    from salvage.cli import SalvageCLI
+    from salvage.commands.fit import SalvageCLI
     from salvage.loggers import SafeCSVLogger, WandbLogger
 
     run = tmp_path / "RUN"

@@ -435,7 +435,7 @@ def test_cli_fit_two_steps_and_test_on_the_synthetic_catalogue(tmp_path):
     cfg = [
         sys.executable,
         "-m",
-        "salvage.cli",
+        "salvage",
         "--config",
         str(ROOT / "configs/agent/webshop_tiny.yaml"),
         "--trainer.default_root_dir",

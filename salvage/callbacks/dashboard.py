@@ -1,6 +1,6 @@
 """What a W&B run shows beyond the scalar metrics: tables, report plots, the run summary.
 
-``WandbDashboard`` is always on (``salvage.cli``) and does nothing without a W&B logger.
+``WandbDashboard`` is always on (``salvage fit``) and does nothing without a W&B logger.
 With one (``configs/logger/wandb.yaml``) it logs, on rank 0:
 
 - ``relay/records``: one row per searched VH-GPO group (retained or not, with the reason),
@@ -12,8 +12,9 @@ With one (``configs/logger/wandb.yaml``) it logs, on rank 0:
   what it logged, and a resume skips the updates the W&B run already holds
   (``salvage.loggers.WandbLogger.logged_through``);
 - at the end of ``fit`` and ``test``: the ``salvage report`` plots as images
-  (``report/<plot>``) and ``summary/run`` (``RunSummary``'s table) as a table and as the
-  run summary keys ``run_summary/<metric>/{first,last,mean}``;
+  (``report/<plot>``, drawn by ``salvage.plots`` into ``RUN/report/``) and ``summary/run``
+  (``RunSummary``'s table) as a table and as the run summary keys
+  ``run_summary/<metric>/{first,last,mean}``;
 - at the end of ``test``: ``eval/table`` (pass@1 per benchmark and model, with the std over
   repeats) and ``cost/checkpoint_table`` (``CheckpointCost``: GPU-hours through each model's
   best validation, and the joint cost of GRAFT's two models).
@@ -380,21 +381,19 @@ class WandbDashboard(L.Callback):
             return
         from lightning.pytorch.loggers import CSVLogger
 
-        from salvage.report import make_report
+        from salvage.plots import plot_run
 
         csvs = [lg for lg in trainer.loggers if isinstance(lg, CSVLogger)]
-        for lg in csvs:  # the report reads metrics.csv: write what is buffered
+        for lg in csvs:  # the plots read metrics.csv: write what is buffered
             lg.save()
         version = csvs[0].version if csvs and of_this_version else None
         try:
-            res = make_report(
-                trainer.default_root_dir, version if isinstance(version, int) else None
-            )
+            res = plot_run(trainer.default_root_dir, version if isinstance(version, int) else None)
         except Exception as e:  # noqa: BLE001 - a plot never ends a run
             print(f"salvage: warning: no report plots for W&B: {e}", file=sys.stderr)
             return
-        out = Path(res["dir"])
-        pngs = [n for n in res["written"] if n.endswith(".png")]
+        out = res.dir
+        pngs = [n for n in res.written if n.endswith(".png")]
         if not pngs:
             return
 

@@ -23,14 +23,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from salvage.checkpointing import find_last_checkpoint, read_checkpoint
-from salvage.models import PolicySpec, load_model, load_tokenizer
+# torch, Lightning and transformers are imported when a checkpoint is read, so that
+# ``salvage export --help`` and its argument errors come back at once
 
 
 def load_checkpoint(ckpt: str | Path) -> dict[str, Any]:
     """A Lightning checkpoint as one dict: a file, or a distributed checkpoint directory."""
+    import torch
+
+    from salvage.checkpointing import read_checkpoint
+
     path = Path(ckpt)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -77,6 +79,48 @@ def _prepare_out_dir(out: Path, ckpt: Path, overwrite: bool) -> None:
         shutil.rmtree(out)
 
 
+def _policy_spec(
+    state: dict[str, Any], policy: str | None
+) -> tuple[str | None, dict[str, Any], str]:
+    """(the policy asked for, its stored ``PolicySpec`` fields, its state-dict prefix): of a
+    GRAFT / N-peer checkpoint (``policy`` a, b, ...) or of a single-policy one."""
+    hp: dict[str, Any] = state.get("hyper_parameters", {})
+    sd = state["state_dict"]
+    if not any(k.startswith("a.policy.") for k in sd):
+        if policy not in (None, "a"):
+            raise ValueError(f"--policy {policy!r}: this checkpoint holds a single policy")
+        return policy, hp["policy"], "policy."
+    peers = hp.get("policies")  # PeerGroupModule: the specs in model order
+    names = [chr(ord("a") + i) for i in range(len(peers))] if peers else ["a", "b"]
+    if policy not in names:
+        raise ValueError(
+            f"this checkpoint holds {len(names)} policies: pass --policy "
+            + " or --policy ".join(names)
+        )
+    spec_dict = peers[ord(policy) - ord("a")] if peers else hp[f"policy_{policy}"]
+    return policy, spec_dict, f"{policy}.policy."
+
+
+def _user_spec(
+    ckpt: str | Path, spec_dict: dict[str, Any], trust_remote_code: bool, model: str | None
+) -> Any:
+    """The ``PolicySpec`` to rebuild: the stored one, with remote code only as the user
+    allows it and the model source the user names."""
+    from salvage.models import PolicySpec
+
+    stored = dict(spec_dict)
+    if stored.get("trust_remote_code") and not trust_remote_code and model is None:
+        raise ExportError(
+            f"{ckpt} asks for remote code (policy trust_remote_code: true, model "
+            f"{stored.get('name_or_path')!r}); a checkpoint cannot turn it on: pass "
+            "--trust_remote_code if you trust that model's code, or --model to name the source"
+        )
+    stored["trust_remote_code"] = bool(trust_remote_code)
+    if model is not None:
+        stored["name_or_path"] = model
+    return PolicySpec(**stored)
+
+
 def export(
     ckpt: str | Path,
     out_dir: str | Path,
@@ -98,6 +142,9 @@ def export(
             instead of the one recorded in the checkpoint.
         overwrite: clear a non-empty ``out_dir`` first.
     """
+    from salvage.checkpointing import find_last_checkpoint
+    from salvage.models import load_model, load_tokenizer
+
     out = Path(out_dir)
     given = Path(ckpt)
     if given.is_dir() and not (given / ".metadata").exists():  # a run dir, not a DCP dir
@@ -107,39 +154,11 @@ def export(
         ckpt = found
     _prepare_out_dir(out, Path(ckpt), overwrite)
     state = load_checkpoint(ckpt)
-    hp: dict[str, Any] = state.get("hyper_parameters", {})
-    sd: dict[str, torch.Tensor] = state["state_dict"]
-    if any(k.startswith("a.policy.") for k in sd):  # GRAFT (a, b) or N peers (a, b, c, ...)
-        peers = hp.get("policies")  # PeerGroupModule: the specs in model order
-        names = [chr(ord("a") + i) for i in range(len(peers))] if peers else ["a", "b"]
-        if policy not in names:
-            raise ValueError(
-                f"this checkpoint holds {len(names)} policies: pass --policy "
-                + " or --policy ".join(names)
-            )
-        if peers:
-            spec_dict = peers[ord(policy) - ord("a")]
-        else:
-            spec_dict = hp[f"policy_{policy}"]
-        prefix = f"{policy}.policy."
-    else:
-        if policy not in (None, "a"):
-            raise ValueError(f"--policy {policy!r}: this checkpoint holds a single policy")
-        spec_dict, prefix = hp["policy"], "policy."
-    stored = dict(spec_dict)
-    if stored.get("trust_remote_code") and not trust_remote_code and model is None:
-        raise ExportError(
-            f"{ckpt} asks for remote code (policy trust_remote_code: true, model "
-            f"{stored.get('name_or_path')!r}); a checkpoint cannot turn it on: pass "
-            "--trust_remote_code if you trust that model's code, or --model to name the source"
-        )
-    stored["trust_remote_code"] = bool(trust_remote_code)
-    if model is not None:
-        stored["name_or_path"] = model
-    spec = PolicySpec(**stored)
+    policy, spec_dict, prefix = _policy_spec(state, policy)
+    spec = _user_spec(ckpt, spec_dict, trust_remote_code, model)
     tok = load_tokenizer(spec)
     net: Any = load_model(spec, tok)  # a transformers model (``save_pretrained``)
-    weights = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+    weights = {k[len(prefix) :]: v for k, v in state["state_dict"].items() if k.startswith(prefix)}
     missing, unexpected = net.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:

@@ -1,8 +1,5 @@
-"""The ``salvage`` console script: LightningCLI with salvage's defaults.
+"""``salvage fit|validate|test``: LightningCLI with salvage's defaults.
 
-- ``salvage report RUN_DIR``: PNG plots and a markdown summary of a run (``salvage.report``).
-- ``salvage joint-cost RUN_A RUN_B``: separate runs' best-checkpoint GPU-hours and their sum.
-- ``salvage export CKPT OUT_DIR``: a trained policy as an HF directory (``salvage.export``).
 - ``salvage fit|validate|test --config configs/....yaml``; every constructor argument of
   the module, datamodule and callbacks is a config key (``salvage fit --help``).
 - ``salvage test ... --repeats N``: N evaluation runs, mean ± std (``salvage.callbacks.repeats``).
@@ -15,18 +12,20 @@
   the run directory (W&B's files go there too); ``WandbDashboard`` (always on unless the
   config lists its own) adds tables and plots.
 - Always on: ``CostTracker`` (GPU-hours), ``CheckpointCost`` (GPU-hours through each model's
-  best validation, and the joint cost; printed by ``salvage test``) and ``RunSummary`` (a table at the end of fit);
-  unless the config has its own ``ModelCheckpoint``, ``last.ckpt`` is refreshed after every
-  update, so a crashed run resumes with ``salvage fit ... --ckpt_path last``. One step of the trainer = one RL update.
-- A user error (``salvage.errors.SalvageError``: a bad data file, config value or model
-  path; an unreadable ``--config`` YAML) prints one line ``salvage: error: ...`` naming
-  the file or key and exits with status 2; ``--debug`` anywhere shows the traceback.
-- Exit status: 0 when the subcommand finished; 2 for a user error; 75 (``EX_TEMPFAIL``) when
-  ``fit``/``validate``/``test`` was stopped by SIGTERM (Lightning ends the update in flight,
-  ``last.ckpt`` holds it: resume with ``--ckpt_path last``); 130 when stopped by SIGINT
-  (Ctrl-C; ``last.ckpt`` holds the last finished update, so it resumes the same way);
-  anything else is a failure. A run that exits 75 or 130 is never "done": ``salvage study``
-  resumes it on its next call.
+  best validation, and the joint cost; printed by ``salvage test``) and ``RunSummary`` (a
+  table at the end of fit); unless the config has its own ``ModelCheckpoint``,
+  ``last.ckpt`` is refreshed after every update, so a crashed run resumes with
+  ``salvage fit ... --ckpt_path last``. One step of the trainer = one RL update.
+- ``--print_memory true``: the per-phase, per-GPU memory estimate of a fit config
+  (``salvage.memory``), before any weights are loaded.
+- Exit status: 75 (``EX_TEMPFAIL``) when stopped by SIGTERM (Lightning ends the update in
+  flight, ``last.ckpt`` holds it: resume with ``--ckpt_path last``); 130 when stopped by
+  SIGINT (Ctrl-C; ``last.ckpt`` holds the last finished update, so it resumes the same
+  way). A run that exits 75 or 130 is never "done": ``salvage study`` resumes it on its
+  next call.
+
+This module imports Lightning (and through the callbacks torch): ``salvage.commands.cli``
+imports it only for these subcommands.
 """
 
 from __future__ import annotations
@@ -36,22 +35,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import yaml
+from jsonargparse import set_parsing_settings
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-import yaml  # noqa: E402
-from jsonargparse import set_parsing_settings  # noqa: E402
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger  # noqa: E402
-from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402
-
-from salvage.callbacks.cost import CheckpointCost, CostTracker  # noqa: E402
-from salvage.callbacks.dashboard import WandbDashboard  # noqa: E402
-from salvage.callbacks.repeats import RepeatTable, repeats_argv  # noqa: E402
-from salvage.callbacks.summary import RunSummary  # noqa: E402
-from salvage.checkpointing import (  # noqa: E402
+from salvage.callbacks.cost import CheckpointCost, CostTracker
+from salvage.callbacks.dashboard import WandbDashboard
+from salvage.callbacks.repeats import RepeatTable, repeats_argv
+from salvage.callbacks.summary import RunSummary
+from salvage.checkpointing import (
     RESUMABLE_KEYS,
     RunConfigRecorder,
     SafeCheckpointIO,
@@ -59,16 +56,12 @@ from salvage.checkpointing import (  # noqa: E402
     find_last_checkpoint,
     read_checkpoint,
 )
-from salvage.errors import ConfigError, SalvageError  # noqa: E402
-from salvage.loggers import SafeCSVLogger, WandbLogger  # noqa: E402
+from salvage.commands import EXIT_INTERRUPTED, EXIT_STOPPED
+from salvage.errors import ConfigError, user_error
+from salvage.loggers import SafeCSVLogger, WandbLogger
 
 # dataclass fields document themselves with a string under the field: show it in --help
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
-
-EXIT_STOPPED = 75
-"""Exit status of a run stopped by SIGTERM (``EX_TEMPFAIL``): resumable with ``--ckpt_path last``."""
-EXIT_INTERRUPTED = 130
-"""Exit status of a run stopped by SIGINT (130, the shell's Ctrl-C status): resumable too."""
 
 
 class ResumeError(ConfigError):
@@ -335,8 +328,6 @@ def check_config_files(argv: list[str]) -> None:
 
     jsonargparse reports a YAML error without saying which of several files holds it.
     """
-    import yaml
-
     paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     for path in paths:
@@ -360,44 +351,11 @@ def check_config_files(argv: list[str]) -> None:
             )
 
 
-def user_error(exc: BaseException) -> SalvageError | None:
-    """The ``SalvageError`` behind ``exc`` (itself, or a cause jsonargparse wrapped), if any."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, SalvageError):
-            return e
-        todo += [e.__cause__, e.__context__]
-    return None
-
-
-def _run(argv: list[str], from_sys_argv: bool = False) -> None:
-    if argv and argv[0] == "report":
-        from salvage.report import main as report_main
-
-        report_main(argv[1:])
-        return
-    if argv and argv[0] == "joint-cost":  # separate runs' checkpoint costs and their sum
-        from salvage.joint_cost import main as joint_cost_main
-
-        joint_cost_main(argv[1:])
-        return
-    if argv and argv[0] == "export":
-        from salvage.export import main as export_main
-
-        export_main(argv[1:])
-        return
-    if argv and argv[0] in ("study", "compare"):
-        from salvage import compare, study
-
-        (study.main if argv[0] == "study" else compare.main)(argv[1:])
-        return
-    if argv and argv[0] == "test":  # salvage test --repeats N (salvage.callbacks.repeats)
-        argv = repeats_argv(argv)
+def run_trainer(argv: list[str], from_sys_argv: bool = False) -> None:
+    """``salvage fit|validate|test ARGS`` (no subcommand: LightningCLI's help), after
+    ``--repeats`` is expanded and every ``--config`` file is checked; ``from_sys_argv``:
+    LightningCLI reads ``sys.argv`` (set to ``argv`` here)."""
+    argv = repeats_argv(argv)  # salvage test --repeats N (salvage.callbacks.repeats)
     check_config_files(argv)
     if from_sys_argv:
         sys.argv[1:] = argv  # without --debug; LightningCLI reads sys.argv itself
@@ -411,60 +369,3 @@ def _run(argv: list[str], from_sys_argv: bool = False) -> None:
     except KeyboardInterrupt:  # Ctrl-C while parsing or building, before the trainer ran
         print("salvage: stopped by SIGINT", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_INTERRUPTED) from None
-
-
-def quiet_third_parties() -> None:
-    """Silence what other libraries print that a salvage user cannot act on: Lightning's
-    start-up info and tips, deprecation and "possible user" warnings, transformers' weight
-    loading bars. ``--verbose`` keeps them."""
-    import logging
-    import warnings
-
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", module=r"lightning(\..*)?$")
-    warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|LitLogger).*")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
-
-
-def main(args: list[str] | None = None) -> None:
-    """Run a subcommand; a user error is one line on stderr (exit 2), ``--debug`` re-raises,
-    ``--verbose`` keeps third-party messages (silenced by default)."""
-    argv = sys.argv[1:] if args is None else list(args)
-    debug = "--debug" in argv
-    verbose = "--verbose" in argv or debug
-    argv = [a for a in argv if a not in ("--debug", "--verbose")]
-    if not verbose:
-        quiet_third_parties()
-    if debug:
-        before = os.environ.get("JSONARGPARSE_DEBUG")
-        os.environ["JSONARGPARSE_DEBUG"] = "true"  # parse errors with their traceback too
-        try:
-            _run(argv, args is None)
-        finally:
-            if before is None:
-                os.environ.pop("JSONARGPARSE_DEBUG", None)
-            else:
-                os.environ["JSONARGPARSE_DEBUG"] = before
-        return
-    try:
-        _run(argv, args is None)
-    except Exception as e:  # noqa: BLE001 - only user errors are shortened, the rest re-raised
-        err = user_error(e)
-        if err is None:
-            raise
-        msg = " ".join(str(err).split())
-        print(f"salvage: error: {msg}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

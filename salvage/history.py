@@ -1,34 +1,48 @@
-"""``salvage report RUN_DIR``: PNG plots and a markdown summary of a run.
+"""A run directory's logged history, read back: what ``salvage report``, ``salvage compare``,
+``salvage joint-cost``, a study's regime check and the W&B dashboard's plots all read.
 
-Reads the run's whole history: every ``RUN_DIR/version_N`` (one per ``salvage fit``
-invocation: the first run and each resume) in order, its ``metrics.csv`` (CSV logger) and,
-where present, ``relays.jsonl`` (VH-GPO) and ``exchange.jsonl`` (GRAFT). A resume redoes the
-updates after its checkpoint: what an interrupted version logged for those updates is
-replaced by the resumed version's, never counted twice (``load_run``). Writes into
-``RUN_DIR/report/``: ``rewards.png``, ``zero_signal.png``, ``extra_tokens.png``,
-``relays.png`` (per-relay teacher actions kept vs omitted), ``graft.png`` (transfers per
-direction, compatibility weights), ``compat.png`` (GRAFT: the distribution of ``log s`` of
-the transferred responses, one panel per direction, a vertical line at ``log delta``),
-``cost.png`` (GPU-hours vs score) and ``report.md``. With per-response exchange rows
-(``exchange.jsonl``'s ``responses``), ``report.md`` also gets, per direction, the fraction
-of correct (``success``) and of incorrect transferred responses that were admitted
-(``admitted``: weight > 0), also printed. A plot whose metrics the run did not log is
-skipped and named in the summary.
+- Run layout: every ``salvage fit`` / ``validate`` / ``test`` invocation writes one
+  ``RUN/version_N`` (``run_versions``); ``RUN/version_N/stage.txt`` (``STAGE_FILE``) names
+  the stage that wrote it, so evaluations stay out of the fit history (``is_evaluation``).
+- A run's fit history is the lineage of versions it resumed through (``run_lineage``, found
+  relative to the run dir, so a copied run keeps its history); ``load_run`` merges their
+  ``metrics.csv`` and ``relays`` / ``exchange`` JSONL records, a resume's rows replacing the
+  ones it redid (``merge_versions``).
+- GRAFT exchange records: the per-response rows (``exchange_rows``), ``log s`` of a row,
+  the admission of correct and incorrect transferred responses per direction, the groups
+  sent per ordered pair (``exchange_counts``).
+
+Light on purpose: the standard library and ``yaml`` only (no torch, no Lightning), so the
+commands that read runs start fast.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from salvage.core.peers import transfer_matrix
 from salvage.errors import ConfigError, DataError, MissingFileError
 from salvage.io import utf8_text
+
+VERSION_DIR = re.compile(r"^version_(\d+)$")
+"""The name of a run version's folder, ``version_N``."""
+STAGE_FILE = "stage.txt"
+"""``RUN/version_N/stage.txt``: the stage that wrote the version (``fit``, ``validate``,
+``test``), so readers of a run's fit history leave evaluations out."""
+
+
+def run_versions(root: str | Path) -> list[Path]:
+    """``root/version_N`` directories in increasing N."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in r.iterdir() if (m := VERSION_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def _newest(run_dir: Path, name: str) -> Path | None:
@@ -108,8 +122,6 @@ def is_evaluation(version: Path) -> bool:
     """Whether ``RUN/version_N`` was written by ``salvage validate`` / ``salvage test`` (its
     ``stage.txt``), not by a fit; a version without one (older salvage) counts as an
     evaluation when it logged only ``eval/`` or ``test/`` metrics."""
-    from salvage.checkpointing import STAGE_FILE
-
     stage = version / STAGE_FILE
     if stage.is_file():
         return stage.read_text(encoding="utf-8").strip() != "fit"
@@ -189,8 +201,6 @@ def run_lineage(run_dir: str | Path, version: int | None = None) -> list[Path]:
     """The ``version_N`` dirs of a run's fit history, oldest first (``_lineage``); the
     versions ``salvage validate`` / ``test`` wrote into the run dir are left out
     (``is_evaluation``). [] when ``run_dir`` has no ``version_N`` with metrics."""
-    from salvage.checkpointing import run_versions
-
     run = Path(run_dir)
     versions = [
         v for v in run_versions(run) if (v / "metrics.csv").is_file() and not is_evaluation(v)
@@ -340,249 +350,6 @@ def exchange_delta(records: list[dict[str, Any]]) -> float | None:
     return next((float(r["delta"]) for r in records if r.get("delta") is not None), None)
 
 
-def plot_log_s(
-    rows_by_label: dict[str, list[dict[str, Any]]], delta: float | None, path: Path
-) -> bool:
-    """Histograms of ``log s``, one panel per direction, one histogram per label (a run or a
-    method), a vertical line at ``log delta``. False when there are no rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    directions = list(
-        dict.fromkeys(str(r.get("direction")) for rs in rows_by_label.values() for r in rs)
-    )
-    if not directions:
-        return False
-    fig, axes = plt.subplots(
-        1, len(directions), figsize=(4.2 * len(directions), 3.6), squeeze=False
-    )
-    finite = [v for rs in rows_by_label.values() for r in rs if math.isfinite(v := log_s(r))]
-    lo, hi = (min(finite), max(finite)) if finite else (-1.0, 1.0)
-    if delta is not None:
-        lo, hi = min(lo, math.log(delta)), max(hi, math.log(delta))
-    if hi - lo < 1e-6:
-        lo, hi = lo - 0.5, hi + 0.5
-    for ax, d in zip(axes[0], directions, strict=True):
-        for label, rs in rows_by_label.items():
-            vals = [v for r in rs if r.get("direction") == d and math.isfinite(v := log_s(r))]
-            if vals:
-                ax.hist(vals, bins=30, range=(lo, hi), alpha=0.5, label=f"{label} (n={len(vals)})")
-        if delta is not None:
-            ax.axvline(math.log(delta), color="k", ls="--", lw=1, label=f"log delta ({delta:g})")
-        ax.set_title(f"log s, {d.replace('_to_', ' -> ')}")
-        ax.set_xlabel("log s = lbar_recv - lbar_src")
-        ax.set_ylabel("responses")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def admission_lines(table: dict[str, Admission]) -> list[str]:
-    """The markdown table of ``admission_by_direction``."""
-    lines = [
-        "| direction | correct admitted | incorrect admitted |",
-        "|---|---|---|",
-    ]
-    for d, a in table.items():
-        lines.append(
-            f"| {d.replace('_to_', ' -> ')} | {Admission.cell(a.correct_admitted, a.correct)} "
-            f"| {Admission.cell(a.incorrect_admitted, a.incorrect)} |"
-        )
-    return lines
-
-
-def make_report(run_dir: str | Path, version: int | None = None) -> dict[str, Any]:
-    """Render the plots and the summary; returns {"written": [...], "skipped": {...}}."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run = Path(run_dir)
-    m, records, mpaths = load_run(run, version)
-    relays, exchange = records["relays"], records["exchange"]
-    out = run / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[str] = []
-    skipped: dict[str, str] = {}
-
-    def plot_lines(name: str, keys: list[str], title: str, ylabel: str) -> None:
-        have = [k for k in keys if k in m]
-        if not have:
-            skipped[name] = f"none of {keys} logged"
-            return
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for k in have:
-            xs, ys = zip(*m[k], strict=True)
-            ax.plot(xs, ys, marker="o", ms=3, label=k)
-        ax.set_xlabel("update")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(name)
-
-    plot_lines(
-        "rewards.png",
-        [
-            "rollout/reward_mean",
-            "rollout/success_rate",
-            "val/success",
-            "a/rollout/success_rate",
-            "b/rollout/success_rate",
-        ],
-        "reward and success",
-        "value",
-    )
-    plot_lines(
-        "zero_signal.png",
-        ["rollout/zero_signal_frac"],
-        "zero-signal groups (fraction of the batch)",
-        "fraction",
-    )
-    plot_lines(
-        "extra_tokens.png",
-        [
-            "cost/extra_tokens_teacher",
-            "cost/extra_tokens_search",
-            "cost/extra_tokens_confirm",
-            "cost/extra_tokens_student",
-        ],
-        "cumulative extra output tokens",
-        "tokens",
-    )
-
-    kept = [r for r in relays if r.get("retained") and r.get("L")]
-    if kept:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        idx = list(range(len(kept)))
-        j = [r["j_star"] for r in kept]
-        omitted = [r["L"] - r["j_star"] for r in kept]
-        ax.bar(idx, j, label="teacher actions kept (j*)", color="tab:blue")
-        ax.bar(idx, omitted, bottom=j, label="omitted (L - j*)", color="tab:orange")
-        ax.set_xlabel("retained relay")
-        ax.set_ylabel("teacher actions")
-        ax.set_title(
-            f"per-relay L vs j* (pooled reduction {1 - sum(j) / sum(r['L'] for r in kept):.0%})"
-        )
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "relays.png", dpi=110)
-        plt.close(fig)
-        written.append("relays.png")
-    else:
-        skipped["relays.png"] = "no retained relay in relays.jsonl"
-
-    pair_keys = ["graft/transferred_a_to_b", "graft/transferred_b_to_a"]
-    pair_keys += sorted(k for k in m if k.startswith("graft/transferred/"))
-    if exchange or any(k in m for k in pair_keys):
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-        for k in pair_keys:
-            if k in m:
-                xs, ys = zip(*m[k], strict=True)
-                axes[0].plot(xs, ys, marker="o", ms=3, label=k)
-        axes[0].set_title("transfers per direction")
-        axes[0].set_xlabel("update")
-        axes[0].legend(fontsize=7)
-        weights = [w for e in exchange for w in e.get("weights", [])]
-        axes[1].hist(weights or [0.0], bins=20, range=(0, 1))
-        axes[1].set_title("compatibility weights")
-        fig.tight_layout()
-        fig.savefig(out / "graft.png", dpi=110)
-        plt.close(fig)
-        written.append("graft.png")
-    else:
-        skipped["graft.png"] = "not a GRAFT run"
-
-    rows = exchange_rows(exchange)
-    if plot_log_s({"run": rows}, exchange_delta(exchange), out / "compat.png"):
-        written.append("compat.png")
-    else:
-        skipped["compat.png"] = "no per-response rows in exchange.jsonl"
-
-    score_key = next(
-        (k for k in ("val/aggregate", "val/success", "rollout/success_rate") if k in m), None
-    )
-    if "cost/gpu_hours" in m and score_key:
-        cost = dict(m["cost/gpu_hours"])
-        pts = [(cost[s], v) for s, v in m[score_key] if s in cost]
-        if pts:
-            fig, ax = plt.subplots(figsize=(6, 3.6))
-            ax.plot(*zip(*pts, strict=True), marker="o", ms=3)
-            ax.set_xlabel("GPU-hours (device-hours on CPU)")
-            ax.set_ylabel(score_key)
-            ax.set_title("score vs cost")
-            ax.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(out / "cost.png", dpi=110)
-            plt.close(fig)
-            written.append("cost.png")
-    if "cost.png" not in written:
-        skipped["cost.png"] = "cost/gpu_hours or a score not logged"
-
-    last = {k: v[-1][1] for k, v in m.items()}
-    lines = [
-        f"# salvage run report: {run}",
-        "",
-        f"metrics: {', '.join(f'`{p.relative_to(run)}`' for p in mpaths)}, {len(m)} series",
-        "",
-    ]
-    teachers = sorted({str(r["teacher"]) for r in relays if r.get("teacher")})
-    if teachers:  # VH-GPO: which teacher recovered (an oracle is named, never implied)
-        names = {"oracle": "oracle (the environment's expert, not the paper's LM teacher)"}
-        lines += ["teacher: " + ", ".join(names.get(t, t) for t in teachers), ""]
-    lines += ["| metric | first | last |", "|---|---|---|"]
-    for k in sorted(m):
-        if k.split("/")[0] in ("rollout", "relay", "cost", "loss", "graft", "val", "eval", "sft"):
-            lines.append(f"| {k} | {m[k][0][1]:.4g} | {last[k]:.4g} |")
-    counts = exchange_counts(exchange)
-    if counts:  # GRAFT / N peers: groups sent by each model (row) to each (column)
-        models = sorted({n for pair in counts for n in pair.split("_to_")})
-        matrix = transfer_matrix(counts, models)
-        lines += [
-            "",
-            f"transfer matrix over {len(exchange)} updates (groups sent, row -> column):",
-            "",
-            "| from \\ to | " + " | ".join(models) + " |",
-            "|---|" + "---|" * len(models),
-        ]
-        for name, row in zip(models, matrix, strict=True):
-            cells = ["-" if c == name else f"{x:g}" for c, x in zip(models, row, strict=True)]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    if rows:
-        lines += [
-            "",
-            f"admission by correctness over {len(rows)} transferred responses "
-            "(admitted: weight > 0; correct: success):",
-            "",
-            *admission_lines(admission_by_direction(rows)),
-        ]
-    if kept:
-        fr = [r["j_star"] / r["L"] for r in kept]
-        lines += [
-            "",
-            f"retained relays: {len(kept)} of {len(relays)} searched; mean j*/L {sum(fr) / len(fr):.3f}",
-        ]
-    lines += ["", "plots: " + ", ".join(f"![{w}]({w})" for w in written)]
-    if skipped:
-        lines += ["", "skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items())]
-    (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    written.append("report.md")
-    return {
-        "written": written,
-        "skipped": skipped,
-        "dir": str(out),
-        "admission": admission_by_direction(rows),
-    }
-
-
 def exchange_counts(records: list[dict[str, Any]]) -> dict[str, float]:
     """Groups transferred per ordered pair (``<src>_to_<dst>``) over a run's exchange
     records: GRAFT's (``a_to_b`` / ``b_to_a`` lists) and N peers' (``transfers``)."""
@@ -594,25 +361,6 @@ def exchange_counts(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="salvage report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("run_dir", help="a run directory (trainer.default_root_dir)")
-    ap.add_argument(
-        "--version",
-        type=int,
-        default=None,
-        help="report the run ending in RUN_DIR/version_N (default: the newest), with the "
-        "versions it resumed from",
-    )
-    a = ap.parse_args(argv)
-    res = make_report(a.run_dir, a.version)
-    print(f"wrote {', '.join(res['written'])} to {res['dir']}")
-    if res["admission"]:
-        print("admitted transferred responses, correct vs incorrect:")
-        print("\n".join(admission_lines(res["admission"])))
-    for k, why in res["skipped"].items():
-        print(f"skipped {k}: {why}")
+def retained_relays(relays: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The VH-GPO relay records that were retained (with their teacher prefix length ``L``)."""
+    return [r for r in relays if r.get("retained") and r.get("L")]

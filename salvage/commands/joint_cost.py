@@ -3,7 +3,7 @@
 GRAFT's GRPO baselines are separate single-model runs (``configs/grpo/graft_*.yaml``);
 obtaining both models costs the sum of each run's GPU-hours through its own best
 ``val/aggregate`` checkpoint (SPEC §3.3, §3.4). This reads each run's whole fit history
-(``salvage.report.load_run``: every ``version_N/metrics.csv`` of its lineage, found relative
+(``salvage.history.load_run``: every ``version_N/metrics.csv`` of its lineage, found relative
 to the run dir, a resume's rows replacing the ones it redid, ``salvage test`` versions left
 out) for ``cost/gpu_hours`` and the validation score, and prints one row per run and the
 sum. A negative or non-finite cost is refused, naming the run and the step. A GRAFT run is one joint run (its cost is the later of its two checkpoints,
@@ -20,7 +20,7 @@ from typing import Any
 
 from salvage.core.cost import SelectedCheckpoint, best_checkpoint_cost, separate_runs_cost
 from salvage.errors import ConfigError, DataError
-from salvage.report import load_run
+from salvage.history import load_run
 
 
 def run_checkpoint_cost(run_dir: str | Path, key: str = "val/aggregate") -> SelectedCheckpoint:

@@ -1,0 +1,219 @@
+"""The regime check of ``salvage study``: short calibration runs measured against criteria.
+
+``check_regime`` runs (or reuses) the calibration runs (``calibration_runs``), measures each
+criterion on its run's metrics (``evaluate``), prints the table (``regime_table``) and
+records it in ``STUDY_DIR/regime.json``; a failed criterion stops the study (exit 3) unless
+``--skip-regime``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from salvage.commands import EXIT_STOPPED
+from salvage.commands.study.runner import (
+    EXIT_FAILED,
+    STOPPED,
+    now,
+    recorded_args,
+    recorded_command,
+    run_all,
+    stop_code,
+    stop_requested,
+    write_json,
+)
+from salvage.commands.study.spec import COMPARISONS, Criterion, Run, Study, calibration_runs
+
+EXIT_REGIME = 3
+"""Exit status of a study whose regime check failed (no record run started)."""
+
+
+@dataclass
+class Verdict:
+    """A criterion measured on the calibration run."""
+
+    criterion: Criterion
+    value: float | None
+    """The statistic; None when the metric (or a row in ``steps``) is missing."""
+    passed: bool
+    rows: int
+    """How many logged updates the statistic is over."""
+    why: str = ""
+    """Why there is no value."""
+
+    def line(self) -> str:
+        c = self.criterion
+        if self.value is None:
+            return f"{c.describe()}: {self.why}"
+        return f"{c.describe()}: measured {self.value:.6g} over {self.rows} update(s)"
+
+
+def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -> list[Verdict]:
+    """Each criterion on a run's metrics (``salvage.commands.compare.read_run``: metric -> {step: value}).
+
+    Update ``k`` (1-based) is the ``step`` value ``k - 1``: Lightning logs the metrics of
+    update k, and the validation after it, at ``step`` = k - 1. A missing metric, or one
+    without a row in ``steps``, fails the criterion and says why.
+    """
+    out = []
+    for c in criteria:
+        pts = sorted(series.get(c.metric, {}).items())
+        if not pts:
+            # the metrics of the same namespace first (a misspelt name is among them)
+            ns = c.metric.split("/", 1)[0]
+            names = sorted(series, key=lambda k: (k.split("/", 1)[0] != ns, k))
+            shown = ", ".join(names[:40]) + (
+                f" (+{len(names) - 40} more)" if len(names) > 40 else ""
+            )
+            why = (
+                f"{c.metric} is not in the calibration's metrics.csv (it has: {shown or 'nothing'})"
+            )
+            out.append(Verdict(c, None, False, 0, why))
+            continue
+        if c.steps is not None:
+            lo, hi = c.steps
+            sel = [v for s, v in pts if lo - 1 <= s <= hi - 1]
+            if not sel:
+                why = (
+                    f"{c.metric} has no row in updates {lo}-{hi} (logged at updates "
+                    f"{int(pts[0][0]) + 1}-{int(pts[-1][0]) + 1})"
+                )
+                out.append(Verdict(c, None, False, 0, why))
+                continue
+        else:
+            sel = [v for _, v in pts]
+        stats: dict[str, Callable[[list[float]], float]] = {
+            "mean": lambda v: sum(v) / len(v),
+            "min": min,
+            "max": max,
+            "last": lambda v: v[-1],
+        }
+        value = stats[c.stat](sel)
+        out.append(Verdict(c, value, COMPARISONS[c.op](value, c.threshold), len(sel)))
+    return out
+
+
+def regime_table(verdicts: list[Verdict]) -> str:
+    """The criteria as a text table: metric, stat, updates, measured value, threshold, result."""
+    head = ("metric", "stat", "updates", "value", "threshold", "result")
+    rows = [
+        (
+            (f"{v.criterion.method}: " if v.criterion.method else "") + v.criterion.metric,
+            v.criterion.stat,
+            "all" if v.criterion.steps is None else "{}-{}".format(*v.criterion.steps),
+            "missing" if v.value is None else f"{v.value:.6g}",
+            f"{v.criterion.op} {v.criterion.threshold:g}",
+            "pass" if v.passed else "FAIL",
+        )
+        for v in verdicts
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join(
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in [head, *rows]
+    )
+
+
+def _calibrate(study: Study, cals: list[Run], backend: str, address: str | None) -> int | None:
+    """Run the unfinished calibration runs (side by side); the exit code to stop the study
+    with when one did not finish, else None."""
+    for c in cals:
+        if c.done and recorded_args(c) not in (None, c.args):
+            print(
+                f"warning: the calibration {c.dir} is done but was run with other arguments "
+                f"than the study now gives; delete {c.dir} to recalibrate",
+                file=sys.stderr,
+            )
+    todo = [c for c in cals if not c.done]
+    for c in todo:
+        print(f"study {study.name}: regime check: calibration -> {c.dir}", flush=True)
+    outcomes = run_all(study, todo, backend, address, len(todo)) if todo else []
+    if not outcomes:
+        return None
+    rc = outcomes[0][1]
+    print(
+        f"study {study.name}: the calibration did not finish (exit {rc}); no record run started",
+        file=sys.stderr,
+    )
+    if stop_requested():
+        return stop_code()
+    return EXIT_STOPPED if rc in STOPPED else EXIT_FAILED
+
+
+def _record(study: Study, cals: list[Run], verdicts: list[Verdict], skip: bool) -> dict[str, Any]:
+    """What ``regime.json`` holds: the verdicts, the calibration's command, when checked."""
+    assert study.regime is not None
+    cal = cals[0]
+    return {
+        "passed": all(v.passed for v in verdicts),
+        "skipped": skip,
+        "method": cal.method,
+        "seed": cal.seed,
+        "run_dir": str(cal.dir),
+        "command": recorded_command(cal) or cal.command(),
+        "runs": {c.method: str(c.dir) for c in cals},
+        "checked": now(),
+        "criteria": [
+            {
+                "method": v.criterion.method or study.regime.method,
+                "metric": v.criterion.metric,
+                "stat": v.criterion.stat,
+                "steps": None if v.criterion.steps is None else list(v.criterion.steps),
+                "op": v.criterion.op,
+                "threshold": v.criterion.threshold,
+                "value": v.value,
+                "rows": v.rows,
+                "result": "pass" if v.passed else "FAIL",
+                **({"why": v.why} if v.why else {}),
+            }
+            for v in verdicts
+        ],
+    }
+
+
+def check_regime(
+    study: Study,
+    out_dir: Path,
+    backend: str = "local",
+    address: str | None = None,
+    skip: bool = False,
+) -> tuple[int | None, dict[str, Any]]:
+    """Run (or reuse) the calibration, print and record its criteria in ``regime.json``.
+
+    Returns the exit code to stop the study with, None to go on to the record runs (every
+    criterion passed, or ``skip``): 3 when a criterion failed, the calibration's failure or
+    stop otherwise; and what ``regime.json`` holds (empty when the calibration did not end)."""
+    from salvage.commands.compare import read_run
+
+    cals = calibration_runs(study, out_dir)
+    assert cals and study.regime is not None
+    rc = _calibrate(study, cals, backend, address)
+    if rc is not None:
+        return rc, {}
+    series = {c.method: read_run(c.dir) for c in cals}
+    verdicts = [
+        evaluate([k], series[k.method or study.regime.method])[0] for k in study.regime.criteria
+    ]
+    where = ", ".join(f"{c.label} ({c.dir})" for c in cals)
+    print(f"study {study.name}: regime check on {where}:")
+    print(regime_table(verdicts), flush=True)
+    record = _record(study, cals, verdicts, skip)
+    write_json(out_dir / "regime.json", record)
+    if record["passed"]:
+        return None, record
+    for v in verdicts:
+        if not v.passed:
+            print(f"regime: FAIL: {v.line()}", file=sys.stderr)
+    if skip:
+        print(f"study {study.name}: --skip-regime: starting the record runs anyway", flush=True)
+        return None, record
+    print(
+        f"study {study.name}: the regime check failed (see {out_dir / 'regime.json'}); no record "
+        "run started (--skip-regime to run them anyway)",
+        file=sys.stderr,
+    )
+    return EXIT_REGIME, record
