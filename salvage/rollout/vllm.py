@@ -80,439 +80,46 @@ vLLM source read (file:line in 0.33.0 / 0.27.0, both under ``vllm/``):
 from __future__ import annotations
 
 import copy
-import gc
 import logging
-import os
-import re
-import shutil
-import tempfile
 import time
-import weakref
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from salvage.errors import ConfigError
-from salvage.lm import response_logprobs, weights_version
+from salvage.lm import response_logprobs
 from salvage.rollout.config import (
     DEFAULT_GENERATE_TIMEOUT_S,
     EngineConfig,
     call_settings,
-    on_hard_exit,
+)
+from salvage.rollout.vllm_backend import (  # noqa: F401 - re-exported
+    _Backend,
+    _build_backend,
+    _new_llm,
+    _total_memory_bytes,
 )
 from salvage.rollout.vllm_rules import (
-    CPU_KVCACHE_VAR,
     REGISTRY,
-    PlatformFacts,
-    SyncState,
-    check_cpu_kvcache_fits,
-    check_servable,
     check_vllm_sampling,
-    check_vllm_version,
-    cpu_kvcache_gib,
-    cpu_scheduler_kwargs,
-    cpu_weight_packing_problem,
-    default_enforce_eager,
-    executor_backend,
-    launcher_env,
-    model_head_dim,
-    platform_sleep_level,
     preserved_rng,
     request_seeds,
-    require_in_process,
     samples_to_send,
+)
+from salvage.rollout.vllm_support import (  # noqa: F401 - re-exported
+    SOURCE_PREFIX,
+    TempCheckpoint,
+    _source,
+    import_vllm,
+    iter_full_parameters,
+    platform_facts,
+    sweep_stale_checkpoints,
+    vllm_available,
 )
 from salvage.types import Sample
 
 log = logging.getLogger(__name__)
-
-
-def import_vllm() -> Any:
-    """``import vllm`` after checking the installed version is a supported one.
-
-    The version is read from the package metadata first, so an unsupported vllm (built
-    for another torch) fails with the supported range instead of an import error."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        check_vllm_version(version("vllm"))
-    except PackageNotFoundError:
-        pass  # not installed as a distribution: the import decides
-    import vllm
-
-    check_vllm_version(str(getattr(vllm, "__version__", "unknown")))
-    return vllm
-
-
-def vllm_available() -> tuple[bool, str]:
-    """Whether this process can run the vLLM engine, and if not, why.
-
-    The platform is vLLM's own ``current_platform``: its CPU build runs on the CPU, its
-    CUDA / ROCm builds need a visible GPU."""
-    try:
-        import_vllm()
-        from vllm.platforms import current_platform
-    except ImportError as e:  # not installed, an unsupported version, or a broken install
-        if isinstance(e, ModuleNotFoundError) and e.name == "vllm":
-            return False, (
-                "vllm is not installed (pip install 'salvage[gpu]'; on a CPU, vLLM's CPU "
-                "build: make test-vllm shows how)"
-            )
-        return False, str(e)
-    if current_platform.is_cpu():
-        return True, ""
-    if current_platform.is_cuda_alike() and torch.cuda.is_available():
-        return True, ""
-    name = getattr(current_platform, "device_type", "") or "none"
-    return False, f"vLLM found no platform it runs on here (platform {name!r}; no GPU visible)"
-
-
-def platform_facts() -> PlatformFacts:
-    """What the engine needs of vLLM's ``current_platform`` (``vllm/platforms/``)."""
-    from vllm.platforms import current_platform as plat
-
-    heads = None
-    if plat.is_cpu():  # CPU_ATTN is the CPU platform's attention backend
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        heads = tuple(int(h) for h in CPUAttentionBackend.get_supported_head_sizes())
-    return PlatformFacts(
-        name=str(plat.device_type),
-        is_cpu=bool(plat.is_cpu()),
-        sleep_available=bool(plat.is_sleep_mode_available()),
-        dtypes=tuple(str(d).removeprefix("torch.") for d in plat.supported_dtypes),
-        head_sizes=heads,
-    )
-
-
-def iter_full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) one parameter at a time; sharded ones all-gathered alone.
-
-    Names are the HF checkpoint names vLLM's ``load_weights`` expects (FSDP2 keeps the
-    module's own names). Every rank must iterate in step (each ``full_tensor`` is a
-    collective).
-    """
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        yield name, t
-    for name, b in model.named_buffers():
-        if name.endswith("inv_freq"):  # rotary tables: vLLM builds its own
-            continue
-        yield name, b.detach()
-
-
-SOURCE_PREFIX = "salvage-vllm-"
-"""Temporary checkpoints are ``<tmp>/salvage-vllm-<pid>-<random>``."""
-_SOURCE_RE = re.compile(re.escape(SOURCE_PREFIX) + r"(\d+)-")
-_LIVE_CHECKPOINTS: weakref.WeakSet[TempCheckpoint] = weakref.WeakSet()
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_checkpoints(tmp: str | None = None) -> list[Path]:
-    """Remove the temporary checkpoints of processes that are gone (killed before their
-    exit handlers ran); returns what was removed."""
-    removed = []
-    for path in Path(tmp or tempfile.gettempdir()).glob(SOURCE_PREFIX + "*"):
-        m = _SOURCE_RE.match(path.name)
-        if m and path.is_dir() and not _pid_running(int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-class TempCheckpoint:
-    """A built-in model saved for vLLM to build its architecture from, removed when the
-    engine closes, when this object is collected, at exit (``weakref.finalize``), before
-    a hard exit on a stuck call, and by the next engine build if the process was killed."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, tmp: str | None = None) -> None:
-        sweep_stale_checkpoints(tmp)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{SOURCE_PREFIX}{os.getpid()}-", dir=tmp))
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.path), True)
-        _LIVE_CHECKPOINTS.add(self)
-        try:
-            state = {
-                k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                for k, v in model.state_dict().items()
-            }
-            save: Any = model.save_pretrained  # an HF PreTrainedModel
-            save(self.path, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(self.path)
-        except BaseException:
-            self.remove()
-            raise
-
-    def remove(self) -> None:
-        self._finalizer()
-
-
-def _remove_live_checkpoints() -> None:
-    for ckpt in list(_LIVE_CHECKPOINTS):
-        ckpt.remove()
-
-
-on_hard_exit(_remove_live_checkpoints)
-
-
-def _source(model: torch.nn.Module, tokenizer: Any) -> tuple[str, TempCheckpoint | None]:
-    """A path or hub id vLLM can build the architecture from, and the temporary checkpoint
-    that holds it when the model is a built-in one (saved for this engine)."""
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if name and (Path(name).is_dir() or "/" in name):
-        return name, None
-    ckpt = TempCheckpoint(model, tokenizer)
-    return str(ckpt.path), ckpt
-
-
-class _Backend:
-    """One ``vllm.LLM`` holding a copy of one live model, shared by that model's engines."""
-
-    def __init__(
-        self,
-        llm: Any,
-        model: torch.nn.Module,
-        sleep_level: int,
-        frozen: bool,
-        *,
-        build: dict[str, Any] | None = None,
-        facts: PlatformFacts | None = None,
-        kv_gib: int = 0,
-        checkpoint: TempCheckpoint | None = None,
-    ):
-        self.llm = llm
-        self.model = model
-        self.sleep_level = sleep_level
-        self.frozen = frozen
-        self.sync = SyncState(frozen)
-        self.asleep = False
-        self.last_sync_s = 0.0
-        self.build = build or {}
-        """The ``LLM`` keyword arguments it was built with (a rebuild reuses them)."""
-        self.facts = facts
-        self.kv_gib = kv_gib
-        """Its CPU KV cache (GiB; 0 on a GPU)."""
-        self.checkpoint = checkpoint
-        self.rebuilds = 0
-        self.users = 0
-        """Engines using it (evaluation shares the training engine's)."""
-
-    def wake(self) -> None:
-        if self.asleep:
-            with preserved_rng():
-                self.llm.wake_up()
-            self.asleep = False
-
-    def release(self) -> None:
-        if self.sleep_level and not self.asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
-            self.sync.slept(self.sleep_level)
-
-    def needs_sync(self) -> bool:
-        return self.sync.needs_sync(weights_version(self.model))
-
-    def load_weights(self) -> None:
-        """Stream the live model's parameters into the worker's model (``LLM.apply_model``)."""
-        t0 = time.perf_counter()
-        stream = iter_full_parameters(self.model)
-
-        def load(vllm_model: Any) -> int:  # runs on the in-process worker (vLLM's model class)
-            loaded = vllm_model.load_weights(weights=stream)
-            return -1 if loaded is None else len(loaded)
-
-        with preserved_rng():
-            counts = self.llm.apply_model(load)
-        if counts and counts[0] == 0:
-            raise RuntimeError("VLLMEngine: the weight sync loaded no parameter into vLLM")
-        self.llm.reset_prefix_cache()
-        self.sync.synced(weights_version(self.model))
-        self.last_sync_s = time.perf_counter() - t0
-
-    def _shutdown_llm(self) -> None:
-        """Shut the in-process engine core down (``LLM.llm_engine.engine_core``, vLLM's
-        ``InprocClient.shutdown``: executor, scheduler, vLLM's distributed state) and drop it."""
-        llm, self.llm = self.llm, None
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            try:
-                core.shutdown()
-            except Exception as e:  # noqa: BLE001 - a broken engine may fail to shut down
-                log.warning("vLLM engine shutdown failed: %r", e)
-        del llm, core
-        gc.collect()
-
-    def rebuild(self) -> None:
-        """Dispose of this ``LLM`` (after an error inside it) and build a new one with the
-        same settings; it holds the live weights again at its next call (first sync).
-
-        Only with one rank: the new engine's sync gathers sharded weights collectively,
-        and the other ranks are not rebuilding."""
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError(
-                f"a vLLM engine cannot be rebuilt on one of {dist.get_world_size()} ranks "
-                f"alone (its weight sync is collective)"
-            )
-        self._shutdown_llm()
-        self.llm = _new_llm(self.build, self.facts, self.kv_gib, self.frozen)
-        self.sync = SyncState(self.frozen)
-        self.asleep = False
-        self.rebuilds += 1
-        self.release()
-
-    def close(self) -> None:
-        """Shut the engine down and remove its temporary checkpoint."""
-        REGISTRY.remove(self)
-        if self.llm is not None:
-            self._shutdown_llm()
-        if self.checkpoint is not None:
-            self.checkpoint.remove()
-
-
-def _new_llm(kwargs: dict[str, Any], facts: PlatformFacts | None, kv_gib: int, frozen: bool) -> Any:
-    """``vllm.LLM(**kwargs)``, with the CPU platform's process-wide settings applied for the
-    build and put back after it:
-
-    - ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_gib`` (``platforms/cpu.py`` reads it from
-      ``os.environ`` at each build: the KV cache size);
-    - oneDNN linears off for a trainable engine (``vllm._custom_ops._supports_onednn``,
-      read by ``model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm`` when
-      the weights are loaded): oneDNN repacks the weight and replaces the ``Parameter``
-      that the weight sync's ``load_weights`` writes into; plain ``F.linear`` keeps it;
-    - ``torch.set_num_threads``: vLLM's ``CPUWorker.init_device`` replaces it with a no-op
-      for the whole process; the function and the thread count are restored.
-    """
-    from vllm import LLM
-
-    is_cpu = facts is not None and facts.is_cpu
-    env_before = os.environ.get(CPU_KVCACHE_VAR)
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    ops: Any = None
-    onednn_before = None
-    if is_cpu:
-        os.environ[CPU_KVCACHE_VAR] = str(kv_gib)
-        import vllm._custom_ops
-
-        ops = vllm._custom_ops
-        onednn_before = ops._supports_onednn
-        if not frozen:
-            ops._supports_onednn = False
-    try:
-        with preserved_rng():
-            return LLM(**kwargs)
-    finally:
-        if is_cpu:
-            ops._supports_onednn = onednn_before
-            if env_before is None:
-                os.environ.pop(CPU_KVCACHE_VAR, None)
-            else:
-                os.environ[CPU_KVCACHE_VAR] = env_before
-        if torch.set_num_threads is not set_threads:
-            log.info("vLLM replaced torch.set_num_threads for this process: put back")
-            setattr(torch, "set_num_threads", set_threads)  # noqa: B010
-        if torch.get_num_threads() != threads:
-            set_threads(threads)
-
-
-def _total_memory_bytes() -> int:
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def _build_backend(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    *,
-    key: tuple,
-    sleep_level: int,
-    frozen: bool,
-    gpu_memory_utilization: float,
-    recompute_logprobs: bool,
-    max_model_len: int | None,
-    dtype: str,
-    seed: int,
-    enforce_eager: bool | None,
-    cpu_kvcache_gb: int | None,
-) -> _Backend:
-    require_in_process(os.environ)
-    facts = platform_facts()
-    config = getattr(model, "config", None)
-    name = getattr(config, "_name_or_path", "") or type(model).__name__
-    check_servable(name, model_head_dim(config), dtype, facts)
-    kv_gib = 0
-    if facts.is_cpu:
-        problem = cpu_weight_packing_problem(dtype, torch.cpu._is_amx_tile_supported(), frozen)
-        if problem:
-            raise ValueError(problem)
-        kv_gib = cpu_kvcache_gib(cpu_kvcache_gb, os.environ)
-        check_cpu_kvcache_fits(kv_gib, REGISTRY.kv_cache_gib(), _total_memory_bytes())
-    level, why = platform_sleep_level(sleep_level, facts)
-    if why:
-        log.info("%s", why)
-    requested = level
-    level = REGISTRY.sleep_level(level, frozen)
-    if level != requested:
-        log.info(
-            "vLLM engine for %s runs at sleep level 0 (%s): it keeps its "
-            "gpu_memory_utilization=%.2f share during training",
-            type(model).__name__,
-            "a frozen model" if frozen else "another engine in this process uses sleep mode",
-            gpu_memory_utilization,
-        )
-    source, checkpoint = _source(model, tokenizer)
-    kwargs: dict[str, Any] = dict(
-        model=source,
-        tokenizer=source,
-        dtype=dtype,
-        seed=seed,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enable_sleep_mode=level > 0,
-        enable_prefix_caching=True,
-        enforce_eager=default_enforce_eager(enforce_eager, facts),
-    )
-    dist = torch.distributed
-    live = dist.is_available() and dist.is_initialized()
-    backend_name = executor_backend(live, dist.get_world_size() if live else 1)
-    if backend_name is not None:
-        changed = launcher_env(
-            os.environ, dist.get_rank(), torch.cuda.current_device(), dist.get_world_size()
-        )
-        for var, (old, new) in changed.items():
-            log.info("vLLM external launcher: %s=%s (was %r)", var, new, old)
-        kwargs["distributed_executor_backend"] = backend_name
-    if max_model_len is not None:
-        kwargs["max_model_len"] = max_model_len
-    if facts.is_cpu:
-        context = max_model_len or getattr(config, "max_position_embeddings", None) or 4096
-        kwargs.update(cpu_scheduler_kwargs(int(context)))
-    if not recompute_logprobs:
-        kwargs["logprobs_mode"] = "processed_logprobs"
-    try:
-        llm = _new_llm(kwargs, facts, kv_gib, frozen)
-    except BaseException:
-        if checkpoint is not None:
-            checkpoint.remove()
-        raise
-    backend = _Backend(
-        llm, model, level, frozen, build=kwargs, facts=facts, kv_gib=kv_gib, checkpoint=checkpoint
-    )
-    if level:
-        REGISTRY.claim_sleep(backend)
-    REGISTRY.add(model, key, backend)
-    backend.release()
-    return backend
 
 
 class VLLMEngine:
