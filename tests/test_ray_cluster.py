@@ -451,7 +451,7 @@ def test_fit_goes_on_when_the_env_node_is_killed_mid_update(live, tmp_path):
     log = tmp_path / "fit.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "salvage.cli", "fit", "--config", str(cfg)],
+            [sys.executable, "-m", "salvage", "fit", "--config", str(cfg)],
             cwd=tmp_path,
             env=live.env,
             stdout=out,
@@ -514,7 +514,7 @@ def test_study_runs_two_runs_at_once_and_a_run_whose_node_dies_resumes(live, tmp
     f = tmp_path / "s.yaml"
     f.write_text(STUDY.format(base=ROOT / "configs/grpo/math_tiny.yaml"), encoding="utf-8")
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "salvage.cli", "study", str(f), "--out", str(out)]
+    cmd = [sys.executable, "-m", "salvage", "study", str(f), "--out", str(out)]
     cmd += ["--backend", "ray", "--ray-address", live.address]
     runs = {m: out / m / "seed0" for m in ("grpo", "drgrpo")}
     log = tmp_path / "study1.log"
