@@ -30,6 +30,7 @@ from salvage.core.seeds import EVAL, TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
 from salvage.envs import env_class
 from salvage.envs.pool import EnvPool
+from salvage.envs.ray_pool import resources_problem
 from salvage.errors import ConfigError
 from salvage.rollout.agent import AgentRunner, LMPolicy, Start
 from salvage.rollout.config import EngineConfig
@@ -60,6 +61,8 @@ class EnvSpec:
     """backend=ray: cluster to join (None: a local Ray; ``auto``: the running cluster)."""
     ray_num_cpus: float = 1.0
     """backend=ray: CPUs reserved by each actor."""
+    ray_resources: dict[str, float] | None = None
+    """backend=ray: custom resources per actor (``{env_node: 1}``: only nodes started with it)."""
     step_timeout_s: float = 60.0
     """A worker silent this long on one operation is declared hung and restarted."""
 
@@ -75,6 +78,9 @@ class EnvSpec:
             )
         if self.step_timeout_s <= 0:
             raise ConfigError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        problem = resources_problem(self.ray_resources)
+        if problem:
+            raise ConfigError(f"data.env.ray_resources={self.ray_resources!r} {problem}")
 
 
 class AgentDataModule(RolloutDataModule):
@@ -244,6 +250,7 @@ class AgentDataModule(RolloutDataModule):
                     spec.step_timeout_s,
                     address=spec.ray_address,
                     num_cpus=spec.ray_num_cpus,
+                    resources=spec.ray_resources,
                 )
             else:
                 self.pool = EnvPool(spec.name, spec.kwargs, spec.num_workers, spec.step_timeout_s)

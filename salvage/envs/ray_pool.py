@@ -7,11 +7,18 @@ lost, its process killed) or does not answer within the step timeout is killed a
 replaced, its in-flight item fails, the other episodes it hosted are restored on the new
 actor by verified replay from the trainer's record, and its remaining items are re-run.
 Episode ``e`` lives on actor ``e % num_workers``; each actor's calls run in order.
+``data.env.ray_resources`` places the actors through custom resources of the nodes (e.g.
+``{env_node: 1}`` with ``ray start --resources '{"env_node": 8}'`` on the environment
+machines); a replacement actor waits up to the start-up timeout for a node that has them
+free, and one that dies while starting (placed on a node lost before the cluster noticed) is
+started again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from typing import Any
 
 from salvage.envs.pool import EnvPool, EnvResult, _Host, answered, startup_of
@@ -27,6 +34,23 @@ def _ray() -> Any:
     return ray
 
 
+def resources_problem(resources: Any) -> str | None:
+    """What is wrong with a ``ray_resources`` mapping (None: nothing): custom resource names ->
+    numbers >= 0 (not ``CPU`` / ``GPU``: ``ray_num_cpus`` reserves the CPUs)."""
+    if resources is None:
+        return None
+    if not isinstance(resources, dict):
+        return "must be a mapping resource name -> number, e.g. {env_node: 1}"
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name:
+            return f"has the resource name {name!r}: names are non-empty strings"
+        if name in ("CPU", "GPU"):
+            return f"names {name!r}: only custom resources here (CPUs: data.env.ray_num_cpus)"
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+            return f"asks for {amount!r} of {name!r}: amounts are numbers >= 0"
+    return None
+
+
 class _ActorHost:
     """The body of one actor: a ``_Host`` holding that actor's environments."""
 
@@ -35,6 +59,12 @@ class _ActorHost:
 
     def ready(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
     def handle(self, op: str, eid: int, arg: Any) -> EnvResult:
         return self.host.handle(op, eid, arg)
@@ -52,6 +82,8 @@ class RayEnvPool(EnvPool):
         address: Ray cluster to join (None: start or reuse a local Ray; ``auto``: the running cluster).
         num_cpus: CPUs each actor reserves.
         runtime_env: Ray runtime environment of the actors (e.g. ``{"env_vars": {...}}``).
+        resources: custom Ray resources each actor reserves (e.g. ``{"env_node": 1}``: only
+            nodes started with that resource host it); None: none.
     """
 
     def __init__(
@@ -64,11 +96,16 @@ class RayEnvPool(EnvPool):
         address: str | None = None,
         num_cpus: float = 1.0,
         runtime_env: dict[str, Any] | None = None,
+        resources: dict[str, float] | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(
                 f"data.env.num_workers must be >= 1 with backend=ray, got {num_workers}"
             )
+        problem = resources_problem(resources)
+        if problem:
+            raise ValueError(f"data.env.ray_resources={resources!r} {problem}")
+        self.resources = dict(resources or {})
         ray = _ray()
         if not ray.is_initialized():
             ray.init(
@@ -78,7 +115,9 @@ class RayEnvPool(EnvPool):
                 runtime_env=runtime_env,
                 ignore_reinit_error=True,
             )
-        self._actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_ActorHost)
+        self._actor_cls = ray.remote(
+            num_cpus=num_cpus, resources=self.resources or None, max_restarts=0
+        )(_ActorHost)
         self._actors: list[Any] = []
         # the base class sets up counters and records; with num_workers=0 it starts no process
         super().__init__(env_name, env_kwargs, 0, step_timeout_s, startup_timeout_s)
@@ -87,16 +126,44 @@ class RayEnvPool(EnvPool):
         self._actors = [self._start_actor() for _ in range(num_workers)]
 
     def _start_actor(self) -> Any:
+        """A new actor, ready. One that dies while starting for a system reason (placed on a
+        node that was lost before the cluster noticed) is replaced, until the start-up
+        timeout; an error in its ``__init__`` or the timeout raises."""
         ray = _ray()
-        actor = self._actor_cls.remote(self.env_name, self.env_kwargs)
-        try:
-            ray.get(actor.ready.remote(), timeout=self.startup_timeout_s)
-        except Exception as e:
-            ray.kill(actor)
-            raise RuntimeError(
-                f"Ray env actor did not start within {self.startup_timeout_s:.0f}s: {e!r}"
-            ) from e
-        return actor
+        deadline = time.monotonic() + self.startup_timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            actor = self._actor_cls.remote(self.env_name, self.env_kwargs)
+            try:
+                ray.get(actor.ready.remote(), timeout=max(deadline - time.monotonic(), 0.01))
+                return actor
+            except Exception as e:  # noqa: BLE001 - GetTimeoutError, RayActorError, ...
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+                lost = isinstance(e, ray.exceptions.RayActorError) and not e.actor_init_failed
+                if lost and deadline - time.monotonic() > 1.0:
+                    log.warning(
+                        "Ray env actor died while starting (attempt %d: %s); starting another",
+                        attempt,
+                        str(e).splitlines()[0][:200],
+                    )
+                    time.sleep(1.0)
+                    continue
+                where = (
+                    f" (it needs the resources {self.resources}: does a live node have them free?)"
+                    if self.resources
+                    else ""
+                )
+                raise RuntimeError(
+                    f"Ray env actor did not start (start-up timeout {self.startup_timeout_s:.0f}s,"
+                    f" {attempt} attempt(s)){where}: {type(e).__name__}: {str(e)[:300]}"
+                ) from e
+
+    def actor_nodes(self) -> list[str]:
+        """The Ray node id of each actor, in worker order."""
+        ray = _ray()
+        return [ray.get(a.node_id.remote(), timeout=self.step_timeout_s) for a in self._actors]
 
     def _run(self, ops: list[tuple[str, int, Any]]) -> list[EnvResult]:
         results: list[EnvResult | None] = [None] * len(ops)

@@ -4,7 +4,8 @@ The state is the list of actions taken. A task names a ``solution`` (list of act
 the episode is won when the actions taken so far end with the full solution in order
 from the start (any wrong action makes the episode unwinnable), and ends after
 ``max_steps`` actions. Fault injection for tests: the action ``"crash!"`` kills the
-process (``os._exit``), ``"hang!"`` sleeps far past any timeout, ``"raise!"`` raises.
+process (``os._exit``), ``"hang!"`` sleeps far past any timeout, ``"raise!"`` raises;
+``step_delay_s`` makes every step take that long (a fault can then land mid-batch).
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from salvage.envs.base import ReplayEnv
 class ScriptedEnv(ReplayEnv):
     name: ClassVar[str] = "scripted"
 
-    def __init__(self, max_steps: int = 50, create_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, max_steps: int = 50, create_delay_s: float = 0.0, step_delay_s: float = 0.0
+    ) -> None:
         super().__init__()
         if create_delay_s > 0:  # stands in for a slow start-up (a JVM, a simulator)
             time.sleep(create_delay_s)
         self.max_steps = max_steps
+        self.step_delay_s = step_delay_s
         self._solution: list[str] = []
         self._alive = True
 
@@ -80,6 +84,8 @@ class ScriptedEnv(ReplayEnv):
             time.sleep(3600)
         if action == "raise!":
             raise RuntimeError("scripted environment failure")
+        if self.step_delay_s > 0:  # stands in for a slow simulator step
+            time.sleep(self.step_delay_s)
         d = len(self._taken)
         if d >= len(self._solution) or action != self._solution[d]:
             self._alive = False

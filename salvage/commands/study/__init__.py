@@ -85,7 +85,8 @@ by SIGTERM (SIGINT): call it again to resume. Runs go one after another (``--bac
 N`` runs N at a time, each its own process) or as
 one Ray task each (``--backend ray``; resources from ``ray_resources`` or else from the
 config: ``num_gpus = trainer.devices`` when ``trainer.accelerator`` is gpu/cuda, or auto on
-a cluster with GPUs; the study dir must be on a filesystem every Ray node sees). Each run's environment sets
+a cluster with GPUs; the study dir must be on a filesystem every Ray node sees; a run whose
+task is lost with its node is not retried by Ray: it fails and resumes on the next call). Each run's environment sets
 ``WANDB_RUN_GROUP`` = study name, ``WANDB_JOB_TYPE`` = method and ``WANDB_NAME`` =
 ``<method>-seed<k>``, so W&B overlays the methods of a study without set-up (add
 ``--config configs/logger/wandb.yaml`` to ``base``; ``wandb.init`` reads these variables,

@@ -362,7 +362,9 @@ def _run_ray(study: Study, todo: list[Run], address: str | None) -> list[Outcome
     except ImportError as e:  # pragma: no cover - depends on the install
         raise SystemExit("--backend ray needs ray: pip install 'salvage[ray]'") from e
     ray.init(address=address, ignore_reinit_error=True)
-    task = ray.remote(execute)
+    # no retry by Ray: a retry would re-run the command as submitted (from scratch, not from
+    # the run's last.ckpt) and can meet the lost fit still holding RUN/.lock; the next call resumes
+    task = ray.remote(max_retries=0)(execute)
     gpus = float(ray.cluster_resources().get("GPU", 0.0))
     refs = {}
     for r in todo:
@@ -371,7 +373,22 @@ def _run_ray(study: Study, todo: list[Run], address: str | None) -> list[Outcome
         refs[task.options(**opts).remote(r.command(), str(r.dir), run_env(study, r))] = r
     failed: list[Outcome] = []
     for ref, r in refs.items():
-        rc = ray.get(ref)
+        try:
+            rc = ray.get(ref)
+        except ray.exceptions.RayError as e:  # its worker or node lost, or execute raised
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Busy):
+                print(f"  {r.label}: not started: {cause}", file=sys.stderr)
+                failed.append((r, EXIT_BUSY))
+                continue
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            print(
+                f"  {r.label}: its Ray task failed ({type(e).__name__}: {why}); "
+                "resumes on the next call",
+                file=sys.stderr,
+            )
+            failed.append((r, EXIT_FAILED))
+            continue
         if rc != 0:
             _report(r, rc)
             failed.append((r, rc))
