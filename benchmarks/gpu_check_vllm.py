@@ -152,6 +152,8 @@ def fit_cmd(
                 "{class_path: salvage.callbacks.sft.OracleSFT, init_args: {episodes: 8, steps: 20}}"
             )
             cmd += ["--trainer.callbacks", f"[{sft}]", "--data.init_args.tasks_per_step=4"]
+            # agent evaluation after update 2, on the student's engine (shared with training)
+            cmd += ["--trainer.val_check_interval=2", "--trainer.check_val_every_n_epoch=null"]
     cmd += [
         f"--trainer.max_steps={steps}",
         f"--trainer.default_root_dir={out / method}",
