@@ -201,42 +201,48 @@ def test_sampled_evaluation_metrics_by_hand():
     assert m["val/sampled_success/twc"] == (1.0, 2)
 
 
+def _sft_fit(tmp_path, sft, max_new: int, num_tasks: int, max_turns: int):
+    """One tiny GRPO update on TWX coin with ``sft`` as its warm start; returns ``sft``."""
+    import lightning as L
+
+    from salvage.datamodules.agent import AgentDataModule, EnvSpec
+    from salvage.models import PolicySpec
+    from salvage.modules.grpo import GRPOModule
+    from salvage.rollout.config import EngineConfig
+
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        callbacks=[sft],
+    )
+    data = AgentDataModule(
+        env=EnvSpec(name="twx", train_tasks={"game": "coin", "num_tasks": num_tasks}),
+        max_turns=max_turns,
+        tasks_per_step=1,
+        group_size=2,
+        engine=EngineConfig(max_new_tokens=max_new),
+    )
+    module = GRPOModule(policy=PolicySpec("tiny", vocab_size=384, seed=1), lr=1e-4)
+    trainer.fit(module, datamodule=data)
+    return sft
+
+
 def test_oracle_sft_refuses_a_max_new_tokens_too_short_for_the_oracle_actions(tmp_path):
     """Regression: the BPE-384 `tiny` student needs 25 tokens for
     '<think></think><action>move north</action>' (its stop string ends it there), so at
     max_new_tokens 24 every action it learned was cut off and scored invalid (the agent
     study's student B never won); OracleSFT now names the key before training."""
     _needs_twx()
-    import lightning as L
-
     from salvage.callbacks.sft import OracleSFT
-    from salvage.datamodules.agent import AgentDataModule, EnvSpec
     from salvage.errors import ConfigError
-    from salvage.models import PolicySpec
-    from salvage.modules.grpo import GRPOModule
-    from salvage.rollout.config import EngineConfig
 
     def fit(max_new: int) -> OracleSFT:
         sft = OracleSFT(episodes=2, steps=1, batch_size=2)
-        trainer = L.Trainer(
-            max_steps=1,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            default_root_dir=tmp_path,
-            callbacks=[sft],
-        )
-        data = AgentDataModule(
-            env=EnvSpec(name="twx", train_tasks={"game": "coin", "num_tasks": 2}),
-            max_turns=2,
-            tasks_per_step=1,
-            group_size=2,
-            engine=EngineConfig(max_new_tokens=max_new),
-        )
-        module = GRPOModule(policy=PolicySpec("tiny", vocab_size=384, seed=1), lr=1e-4)
-        trainer.fit(module, datamodule=data)
-        return sft
+        return _sft_fit(tmp_path, sft, max_new, num_tasks=2, max_turns=2)
 
     with pytest.raises(ConfigError, match=r"data\.engine\.max_new_tokens=24.*>= 2[5-9]"):
         fit(24)
@@ -248,13 +254,7 @@ def test_oracle_sft_plays_its_episodes_in_chunks_reusing_the_instances(tmp_path)
     episode held its own TextWorld-Express instance at once. Chunks of ``chunk_size`` reuse
     the released instances: the same demonstrations, at most ``chunk_size`` instances."""
     _needs_twx()
-    import lightning as L
-
     from salvage.callbacks.sft import OracleSFT
-    from salvage.datamodules.agent import AgentDataModule, EnvSpec
-    from salvage.models import PolicySpec
-    from salvage.modules.grpo import GRPOModule
-    from salvage.rollout.config import EngineConfig
 
     class Seen(OracleSFT):
         def demonstrations(self, trainer):
@@ -265,25 +265,7 @@ def test_oracle_sft_plays_its_episodes_in_chunks_reusing_the_instances(tmp_path)
 
     def fit(chunk: int) -> Seen:
         sft = Seen(episodes=5, steps=1, batch_size=2, chunk_size=chunk)
-        trainer = L.Trainer(
-            max_steps=1,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            default_root_dir=tmp_path,
-            callbacks=[sft],
-        )
-        data = AgentDataModule(
-            env=EnvSpec(name="twx", train_tasks={"game": "coin", "num_tasks": 3}),
-            max_turns=3,
-            tasks_per_step=1,
-            group_size=2,
-            engine=EngineConfig(max_new_tokens=32),
-        )
-        module = GRPOModule(policy=PolicySpec("tiny", vocab_size=384, seed=1), lr=1e-4)
-        trainer.fit(module, datamodule=data)
-        return sft
+        return _sft_fit(tmp_path, sft, 32, num_tasks=3, max_turns=3)
 
     chunked, whole = fit(2), fit(5)
     assert chunked.instances == 2 and whole.instances == 5
