@@ -120,6 +120,76 @@ def test_overlap_guard_refuses_an_agent_fit_on_training_games_naming_both_source
         dm.teardown("fit")
 
 
+def test_twx_fold_key_gives_unseen_training_fold_games_and_drop_overlap_keeps_them_distinct():
+    """In-distribution held-out games: the validation split drawn from the training fold
+    (``fold: train`` past the training seeds), each game once and none a training game's
+    (twc repeats games across seeds), labelled beside the dev games."""
+    _needs_twx()
+    from salvage.datamodules.agent import AgentDataModule, EnvSpec
+    from salvage.envs.twx import TWXEnv
+
+    twc = {"game": "twc", "params": "numLocations=1,numItemsToPutAway=2"}
+    tr = TWXEnv.list_tasks("val", **twc, num_tasks=3, seed_offset=256, fold="train")
+    assert [t["game_seed"] for t in tr] == [256, 257, 258] and tr[0]["id"] == "twc/train/256"
+    assert {t["fold"] for t in tr} == {"train"}
+    with pytest.raises(ValueError, match="fold must be one of .* got 'valid'"):
+        TWXEnv.list_tasks("val", **twc, fold="valid")
+    sources = [
+        {**twc, "fold": "train", "num_tasks": 6, "label": "indist"},  # training games: dropped
+        {**twc, "fold": "train", "seed_offset": 64, "num_tasks": 48, "label": "indist"},
+        {**twc, "num_tasks": 24, "label": "dev"},
+    ]
+    train = {**twc, "num_tasks": 64}
+
+    def dm(**kw):
+        spec = EnvSpec(name="twx", train_tasks=train, val_tasks=sources)
+        return AgentDataModule(env=spec, **kw)
+
+    with pytest.raises(ConfigError, match="val tasks .*data.env.val_tasks"):
+        dm().setup("fit")
+    with pytest.raises(ConfigError, match="allow_overlap and data.drop_overlap"):
+        dm(allow_overlap=True, drop_overlap=True)
+    d = dm(drop_overlap=True)
+    d.setup("fit")
+    try:
+        env = TWXEnv()
+        try:
+            digest = {}
+            for t in TWXEnv.list_tasks("train", **twc, num_tasks=64) + [
+                t for s in sources for t in TWXEnv.list_tasks("val", **s_args(s))
+            ]:
+                digest[t["id"]] = text_digest(env.task_content(t))
+        finally:
+            env.close()
+        seen = {digest[f"twc/train/{i}"] for i in range(64)}
+        listed = [t for s in sources for t in TWXEnv.list_tasks("val", **s_args(s))]
+        expect, kept_d = [], set()
+        for t in listed:  # by hand: first of each content, none a training game
+            if digest[t["id"]] not in seen and digest[t["id"]] not in kept_d:
+                kept_d.add(digest[t["id"]])
+                expect.append(t["id"])
+        val = d.tasks["val"]
+        assert [t["id"] for t in val] == expect
+        assert 6 + 1 <= len(listed) - len(val)  # the 6 training games and >= 1 repeat (twc)
+        assert d.heldout_metrics["data/heldout_dropped/val"] == len(listed) - len(val)
+        assert d.heldout_metrics["data/heldout_overlap/val"] == 0.0
+        assert {t["family"] for t in val} == {"indist", "dev"}
+        assert all(t["fold"] == ("train" if t["family"] == "indist" else "dev") for t in val)
+        assert len({digest[t["id"]] for t in val}) == len(val)
+    finally:
+        d.teardown("fit")
+    dup = EnvSpec(name="twx", train_tasks=train, val_tasks=[sources[2], sources[2]])
+    with pytest.raises(ConfigError, match="'twc/dev/10000' is listed by sources 0 and 1"):
+        AgentDataModule(env=dup).setup("fit")
+    bad = EnvSpec(name="twx", train_tasks=train, val_tasks=[{**twc, "label": "a/b"}])
+    with pytest.raises(ConfigError, match=r"val_tasks\[0\].label"):
+        AgentDataModule(env=bad).setup("fit")
+
+
+def s_args(source):
+    return {k: v for k, v in source.items() if k != "label"}
+
+
 # ---------------------------------------------------------------------- math
 def test_math_pools_are_deduplicated_and_digest_splits_are_disjoint():
     pool = MathData(source="reasoning_gym:basic_arithmetic", size=600, seed=0, rg_kwargs=ADD)

@@ -49,10 +49,10 @@ class EnvSpec:
     """Constructor arguments of the env class (e.g. ``step_limit``)."""
     train_tasks: dict[str, Any] = field(default_factory=dict)
     """Arguments of the env's ``list_tasks("train", ...)`` (twx: game, params, num_tasks)."""
-    val_tasks: dict[str, Any] | None = None
-    """Arguments of ``list_tasks("val", ...)``; None: no validation."""
-    test_tasks: dict[str, Any] | None = None
-    """Arguments of ``list_tasks("test", ...)``; None: the validation tasks."""
+    val_tasks: dict[str, Any] | list[dict[str, Any]] | None = None
+    """Arguments of ``list_tasks("val", ...)``, or a list of them (several sets, each with a ``label``); None: no validation."""
+    test_tasks: dict[str, Any] | list[dict[str, Any]] | None = None
+    """Arguments of ``list_tasks("test", ...)``, or a list (as ``val_tasks``); None: the validation tasks."""
     num_workers: int = 0
     """Environment worker processes (0: in the trainer's process) or Ray actors."""
     backend: str = "process"
@@ -83,6 +83,40 @@ class EnvSpec:
             raise ConfigError(f"data.env.ray_resources={self.ray_resources!r} {problem}")
 
 
+def list_task_sources(
+    env: str, split: str, args: dict[str, Any] | list[dict[str, Any]], key: str
+) -> list[dict[str, Any]]:
+    """The tasks of one split from one source (a dict of ``list_tasks`` arguments) or several
+    (a list of them, concatenated in order). A source's ``label`` (not passed on) becomes its
+    tasks' ``family``: evaluation logs ``val/success/<label>`` per set, e.g. in-distribution
+    and out-of-distribution games side by side. Task ids must be unique over the sources."""
+    sources = args if isinstance(args, list) else [args]
+    if not sources:
+        raise ConfigError(f"{key} is an empty list; give one task source or more, or null")
+    tasks: list[dict[str, Any]] = []
+    where: dict[str, int] = {}
+    for i, src in enumerate(sources):
+        if not isinstance(src, dict):
+            raise ConfigError(f"{key}[{i}] must be a mapping of list_tasks arguments, got {src!r}")
+        src = dict(src)
+        label = src.pop("label", None)
+        if label is not None and (not isinstance(label, str) or not label or "/" in label):
+            raise ConfigError(
+                f"{key}[{i}].label must be a non-empty name without '/', got {label!r}"
+            )
+        for t in env_class(env).list_tasks(split, **src):
+            if label is not None:
+                t = {**t, "family": label}
+            if t["id"] in where:
+                raise ConfigError(
+                    f"{key}: task {t['id']!r} is listed by sources {where[t['id']]} and {i}; "
+                    "give the sources disjoint seeds / files"
+                )
+            where[t["id"]] = i
+            tasks.append(t)
+    return tasks
+
+
 class AgentDataModule(RolloutDataModule):
     """Agent rollouts for GRPO (and, through callbacks, VH-GPO).
 
@@ -108,6 +142,9 @@ class AgentDataModule(RolloutDataModule):
         seed: seed of task order and of every sampling stream.
         allow_overlap: fit even when a validation / test task shows the same initial
             observation and goal as a training task; default False refuses such a fit.
+        drop_overlap: instead of refusing, drop each validation / test task with a training
+            task's content, and each repeat of an earlier task of its split (counts logged as
+            ``data/heldout_dropped/<split>``): for sources that repeat games (twc seeds).
         gigpo: GiGPO step-level advantages (``salvage.core.gigpo``, docs/baselines.md): each
             turn's advantage is its episode's plus ``omega`` x its anchor-state step group's
             relative discounted return; logs ``gigpo/step_group_size`` (mean) and
@@ -135,6 +172,7 @@ class AgentDataModule(RolloutDataModule):
         seed: int = 0,
         gigpo: GiGPOConfig | None = None,
         allow_overlap: bool = False,
+        drop_overlap: bool = False,
     ) -> None:
         super().__init__(
             tasks_per_step,
@@ -147,6 +185,7 @@ class AgentDataModule(RolloutDataModule):
             reward_tol,
             adv_tol,
             allow_overlap=allow_overlap,
+            drop_overlap=drop_overlap,
         )
         if max_turns < 1:
             raise ConfigError(f"data.max_turns (H) must be >= 1, got {max_turns}")
@@ -214,7 +253,7 @@ class AgentDataModule(RolloutDataModule):
         }[split]
         if args is None:
             return None
-        return env_class(spec.name).list_tasks(split, **args)
+        return list_task_sources(spec.name, split, args, self.split_source(split))
 
     def split_source(self, split: str) -> str:
         if split == "test" and self.env_spec.test_tasks is None:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from salvage.core.grpo import ADVANTAGE_ESTIMATORS, assign_advantages
-from salvage.core.heldout import Overlap, overlap
+from salvage.core.heldout import Overlap, dedupe, overlap
 from salvage.core.seeds import permutation_seed
 from salvage.distributed import gathered, rank_share
 from salvage.errors import ConfigError
@@ -113,6 +113,9 @@ class RolloutDataModule(L.LightningDataModule):
         allow_overlap: run a fit even when validation / test tasks have the content of a
             training task (by digest; ``data/heldout_overlap`` logs the share). Default
             False: such a fit is refused before any compute.
+        drop_overlap: drop, instead of refusing, each validation / test task with a
+            training task's content and each repeat of an earlier task of its split (counts
+            logged as ``data/heldout_dropped/<split>``, and a warning).
     """
 
     trainer: L.Trainer  # attached by Lightning before any hook that rolls out
@@ -130,9 +133,16 @@ class RolloutDataModule(L.LightningDataModule):
         adv_tol: float = 1e-6,
         tasks_key: str = "tasks_per_step",
         allow_overlap: bool = False,
+        drop_overlap: bool = False,
     ) -> None:
         super().__init__()
+        if allow_overlap and drop_overlap:
+            raise ConfigError(
+                "data.allow_overlap and data.drop_overlap are both true: keep overlapping "
+                "held-out tasks (allow) or drop them (drop), not both"
+            )
         self.allow_overlap = allow_overlap
+        self.drop_overlap = drop_overlap
         self.heldout_overlap: dict[str, Overlap] = {}
         self.heldout_metrics: dict[str, float] = {}
         self.tasks_key = tasks_key
@@ -207,6 +217,7 @@ class RolloutDataModule(L.LightningDataModule):
         if "train" not in self.tasks:
             return {}
         train = self.task_digests("train")
+        dropped = self._drop_overlap(train) if self.drop_overlap else {}
         found: dict[str, Overlap] = {}
         for split in ("val", "test"):
             if split in self.tasks:
@@ -227,8 +238,40 @@ class RolloutDataModule(L.LightningDataModule):
         n = sum(o.n_heldout for o in found.values())
         metrics = {"data/heldout_overlap": sum(o.count for o in found.values()) / n if n else 0.0}
         metrics.update({f"data/heldout_overlap/{o.split}": o.frac for o in found.values()})
+        metrics.update({f"data/heldout_dropped/{k}": float(v) for k, v in dropped.items()})
         self.heldout_metrics = metrics
         return found
+
+    def _drop_overlap(self, train: dict[str, str]) -> dict[str, int]:
+        """``drop_overlap``: each held-out split keeps the first task of each content that
+        no training task has; returns the number dropped per split."""
+        train_digests = set(train.values())
+        dropped: dict[str, int] = {}
+        for split in ("val", "test"):
+            if split not in self.tasks:
+                continue
+            tasks = self.tasks[split]
+            digests = list(self.task_digests(split).values())  # one per task, in task order
+            if len(digests) != len(tasks):
+                raise ConfigError(f"{self.split_source(split)}: task ids are not unique")
+            keep = [i for i in dedupe(digests) if digests[i] not in train_digests]
+            dropped[split] = len(tasks) - len(keep)
+            if not keep:
+                raise ConfigError(
+                    f"data.drop_overlap left no {split} task: all {len(tasks)} of "
+                    f"{self.split_source(split)} are training tasks or repeats"
+                )
+            if dropped[split]:
+                log.warning(
+                    "drop_overlap: %d of %d %s tasks dropped (a training task's content, or a "
+                    "repeat); %d kept",
+                    dropped[split],
+                    len(tasks),
+                    split,
+                    len(keep),
+                )
+            self.tasks[split] = [tasks[i] for i in keep]
+        return dropped
 
     def train_dataloader(self) -> StepBatches:
         return StepBatches(

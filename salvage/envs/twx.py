@@ -5,6 +5,10 @@ episode seed is unused (the engine is deterministic given the game seed). Each s
 its games from the engine's own seed range of its fold (train 0-999, dev 10000-10999, test
 20000-20999; ``seed_offset`` moves within a fold): the engine ignores ``gameFold`` when a
 seed is given, so seeds from one range would give the validation split training games.
+``fold`` picks another fold than the split's: ``fold: train`` with ``seed_offset: 256`` on
+the validation split gives unseen games of the training distribution (in-distribution
+held-out games; twc repeats games across seeds, so such a list is best deduplicated by
+content against the training games: the datamodule's ``drop_overlap``).
 
 The oracle (``oracle_action()``, asked on demand) is a breadth-first planner over the
 game's admissible actions from the current state, run on a twin instance through
@@ -92,12 +96,20 @@ class TWXEnv(ReplayEnv):
         params: str | None = None,
         num_tasks: int = 16,
         seed_offset: int = 0,
+        fold: str | None = None,
     ) -> list[dict[str, Any]]:
+        """``split``'s games: ``num_tasks`` seeds from ``seed_offset`` in the seed range of
+        ``fold`` (None: the split's own fold, train -> train, val -> dev, test -> test)."""
         if game not in GAMES:
             raise ValueError(f"twx game must be one of {GAMES}, got {game!r}")
-        fold = {"train": "train", "val": "dev", "test": "test"}.get(split, split)
-        if fold not in FOLD_SEEDS:
+        own = {"train": "train", "val": "dev", "test": "test"}.get(split, split)
+        if own not in FOLD_SEEDS:
             raise ValueError(f"twx split must be train, val (dev) or test, got {split!r}")
+        if fold is not None and fold not in FOLD_SEEDS:
+            raise ValueError(
+                f"twx {split} tasks: fold must be one of {sorted(FOLD_SEEDS)}, got {fold!r}"
+            )
+        fold = fold or own
         if num_tasks < 1 or seed_offset < 0 or seed_offset + num_tasks > SEEDS_PER_FOLD:
             raise ValueError(
                 f"twx {split} tasks: seed_offset={seed_offset} + num_tasks={num_tasks} must lie "
