@@ -154,13 +154,35 @@ def fit_cmd(
             cmd += ["--trainer.callbacks", f"[{sft}]", "--data.init_args.tasks_per_step=4"]
             # agent evaluation after update 2, on the student's engine (shared with training)
             cmd += ["--trainer.val_check_interval=2", "--trainer.check_val_every_n_epoch=null"]
+    logger = "false"
+    if evaluates(method, gpu, vllm_cpu):  # a CSV record, to confirm the evaluation ran
+        logger = (
+            "{class_path: lightning.pytorch.loggers.CSVLogger, "
+            f"init_args: {{save_dir: {out / method}, name: csv}}}}"
+        )
     cmd += [
         f"--trainer.max_steps={steps}",
         f"--trainer.default_root_dir={out / method}",
-        "--trainer.logger=false",
+        f"--trainer.logger={logger}",
         "--trainer.enable_checkpointing=false",
     ]
     return cmd
+
+
+def evaluates(method: str, gpu: bool, vllm_cpu: bool) -> bool:
+    """Whether the check fit validates (agent evaluation on the shared engine)."""
+    return method == "vhgpo" and vllm_cpu and not gpu
+
+
+def logged_values(run_dir: Path, key: str) -> list[float]:
+    """Every value of ``key`` in the CSV logs under ``run_dir``."""
+    import csv
+
+    out = []
+    for f in sorted(run_dir.rglob("metrics.csv")):
+        with open(f) as fh:
+            out += [float(r[key]) for r in csv.DictReader(fh) if r.get(key) not in (None, "")]
+    return out
 
 
 def run_fit(
@@ -182,7 +204,13 @@ def run_fit(
             return False, f"exit {p.returncode}: {' '.join(cmd[2:])}"
         backend = "vllm" if gpu or vllm_cpu else "hf"
         steps = 3 if gpu else 2 if vllm_cpu else 1
-        return True, f"{steps} update(s), backend {backend}"
+        note = ""
+        if evaluates(method, gpu, vllm_cpu):
+            val = logged_values(out / method, "val/success")
+            if not val:
+                return False, f"no val/success logged under {out / method}: evaluation did not run"
+            note = f", evaluated (val/success {val[-1]:.3f})"
+        return True, f"{steps} update(s), backend {backend}{note}"
 
     go()
 

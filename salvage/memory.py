@@ -60,6 +60,77 @@ def _devices(trainer: dict[str, Any]) -> int:
     return n * int(trainer.get("num_nodes") or 1)
 
 
+def _policy_specs(cls: str, init: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The trained policies' specs by config key (one, GRAFT's two, or N peers a, b, c)."""
+    if cls == "PeerGroupModule":
+        peers = init.get("policies") or [{"name_or_path": "tiny"}] * 3
+        return {f"policy_{chr(97 + i)}": p for i, p in enumerate(peers)}
+    if cls == "GRAFTModule":
+        return {k: init.get(k) or {"name_or_path": "tiny"} for k in ("policy_a", "policy_b")}
+    return {"policy": init.get("policy") or {"name_or_path": "tiny"}}
+
+
+def _trained_models(
+    cls: str,
+    init: dict[str, Any],
+    engine: dict[str, Any],
+    sharded: bool,
+    replicate: bool,
+) -> list[ModelMem]:
+    """Each policy (sampling; the first engine may sleep) and, where the loss needs one (KL,
+    VH-GPO's preference term), its frozen reference (scores in the update only)."""
+    vllm = engine.get("backend") == "vllm"
+    share = float(engine.get("vllm_gpu_memory_utilization", 0.3)) if vllm else None
+    sleeps = int(engine.get("vllm_sleep_level", 1)) > 0
+    needs_ref = float(init.get("kl_coef") or 0.0) > 0 or (
+        cls == "VHGPOModule" and float(init.get("lambda_pair", 1.0)) > 0
+    )
+    specs = _policy_specs(cls, init)
+    one = len(specs) == 1
+    models: list[ModelMem] = []
+    for i, (key, spec) in enumerate(specs.items()):
+        shape, wbytes = shape_of(spec), _BYTES.get(spec.get("dtype"), 4)
+        role = "policy" if one else f"policy {key[-1].upper()}"
+        models.append(
+            ModelMem(
+                role, shape, wbytes, sharded, share, engine_sleeps=sleeps and i == 0, samples=True
+            )
+        )
+        if needs_ref:  # the reference loads the policy's spec (same dtype)
+            models.append(
+                ModelMem(
+                    "reference" if one else f"reference {key[-1].upper()}",
+                    shape,
+                    wbytes,
+                    sharded and not replicate,
+                    samples=False,
+                    gathered_in_rollout=False,  # only the samplers are (sampling_models)
+                    scores_in_update=True,
+                )
+            )
+    return models
+
+
+def _teacher_model(
+    rescue: dict[str, Any], engine: dict[str, Any], sharded: bool, replicate: bool
+) -> ModelMem | None:
+    """VH-GPO's frozen LM teacher (None: an oracle teacher, or no rescue stage)."""
+    teacher = rescue.get("teacher") or {}
+    if teacher.get("kind") != "lm" or not teacher.get("policy"):
+        return None
+    t_engine = teacher.get("engine") or engine
+    t_vllm = t_engine.get("backend") == "vllm"
+    return ModelMem(
+        "teacher",
+        shape_of(teacher["policy"]),
+        _BYTES.get(teacher["policy"].get("dtype"), 4),
+        sharded and not replicate,
+        float(t_engine.get("vllm_gpu_memory_utilization", 0.3)) if t_vllm else None,
+        engine_sleeps=False,  # a frozen model's engine keeps its share (rollout/vllm.py)
+        samples=True,
+    )
+
+
 def plan_from_config(cfg: dict[str, Any], gpu_gb: float = 80.0) -> MemoryPlan:
     """The per-GPU memory plan of a ``salvage fit`` config (a plain dict)."""
     from salvage.lm import DEFAULT_LOGPROB_CHUNK
@@ -70,77 +141,26 @@ def plan_from_config(cfg: dict[str, Any], gpu_gb: float = 80.0) -> MemoryPlan:
     data = (cfg.get("data") or {}).get("init_args") or {}
     strategy = trainer.get("strategy")
     sclass = _short(strategy.get("class_path") if isinstance(strategy, dict) else strategy)
-    gpus = _devices(trainer)
     sharded = sclass in _SHARDING  # FSDP2 (over one GPU it shards nothing but still applies)
     fsdp = init.get("fsdp") or {}
     precision = str(trainer.get("precision") or "32-true")
     bf16 = precision.startswith("bf16") or (sharded and fsdp.get("param_dtype") == "bfloat16")
-    compute = 2 if bf16 else 4
     engine = data.get("engine") or {}
-    vllm = engine.get("backend") == "vllm"
-    share = float(engine.get("vllm_gpu_memory_utilization", 0.3)) if vllm else None
-    sleeps = int(engine.get("vllm_sleep_level", 1)) > 0
     length = int(data.get("max_prompt_tokens") or 1024) + int(engine.get("max_new_tokens", 256))
-    cls = _short(model.get("class_path"))
-    kl = float(init.get("kl_coef") or 0.0)
     replicate = fsdp.get("reference") == "replicate"
-
-    models: list[ModelMem] = []
-    if cls == "PeerGroupModule":  # N peers, named a, b, c, ...
-        peers = init.get("policies") or [{"name_or_path": "tiny"}] * 3
-        specs = {f"policy_{chr(97 + i)}": p for i, p in enumerate(peers)}
-    elif cls == "GRAFTModule":
-        specs = {k: init.get(k) or {"name_or_path": "tiny"} for k in ("policy_a", "policy_b")}
-    else:
-        specs = {"policy": init.get("policy") or {"name_or_path": "tiny"}}
-    keys = list(specs)
-    for i, key in enumerate(keys):
-        spec = specs[key]
-        shape = shape_of(spec)
-        wbytes = _BYTES.get(spec.get("dtype"), 4)
-        role = "policy" if len(keys) == 1 else f"policy {key[-1].upper()}"
-        models.append(
-            ModelMem(
-                role, shape, wbytes, sharded, share, engine_sleeps=sleeps and i == 0, samples=True
-            )
-        )
-        needs_ref = kl > 0 or (cls == "VHGPOModule" and float(init.get("lambda_pair", 1.0)) > 0)
-        if needs_ref:  # the reference loads the policy's spec (same dtype)
-            models.append(
-                ModelMem(
-                    "reference" if len(keys) == 1 else f"reference {key[-1].upper()}",
-                    shape,
-                    wbytes,
-                    sharded and not replicate,
-                    samples=False,
-                    gathered_in_rollout=False,  # only the samplers are (sampling_models)
-                    scores_in_update=True,
-                )
-            )
+    models = _trained_models(_short(model.get("class_path")), init, engine, sharded, replicate)
     rescue = (cfg.get("rescue") or {}).get("init_args") or {}
-    teacher = rescue.get("teacher") or {}
-    if teacher.get("kind") == "lm" and teacher.get("policy"):
-        t_engine = teacher.get("engine") or engine
-        t_vllm = t_engine.get("backend") == "vllm"
-        models.append(
-            ModelMem(
-                "teacher",
-                shape_of(teacher["policy"]),
-                _BYTES.get(teacher["policy"].get("dtype"), 4),
-                sharded and not replicate,
-                float(t_engine.get("vllm_gpu_memory_utilization", 0.3)) if t_vllm else None,
-                engine_sleeps=False,  # a frozen model's engine keeps its share (rollout/vllm.py)
-                samples=True,
-            )
-        )
+    teacher = _teacher_model(rescue, engine, sharded, replicate)
+    if teacher is not None:
+        models.append(teacher)
     notes = []
-    if not vllm:
+    if engine.get("backend") != "vllm":
         notes.append("HF engine: the KV cache grows with engine.batch_size x length")
     return MemoryPlan(
         models=tuple(models),
-        gpus=gpus,
+        gpus=_devices(trainer),
         gpu_gb=gpu_gb,
-        compute_bytes=compute,
+        compute_bytes=2 if bf16 else 4,
         engine_batch=int(engine.get("batch_size", 64)),
         engine_len=length,
         logprob_batch=int(engine.get("logprob_batch_size", 8)),

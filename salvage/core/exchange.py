@@ -136,71 +136,94 @@ def receive_group(
     batch, HACPO's baseline weights. Own trajectories joining the group (pooled, HACPO) are
     updated in place (advantage, HACPO's sequence ratio).
     """
-    hacpo = rules.hacpo
-    peer_ratio = None
-    if hacpo:  # HACPO's sequence-level range of peer responses at this step
-        low, high = hacpo_clip_range(
-            step, rules.hacpo_peer_low, rules.hacpo_peer_ramp, rules.hacpo_peer_high
-        )
-        peer_ratio = (low, None if high == float("inf") else high)
-    trajs = []
-    for t, item in zip(peers, turns, strict=True):
-        episode = [item] if isinstance(item, Turn) else list(item)
-        src_lps, recv_lps = episode_logprobs(t.turns), episode_logprobs(episode)
-        src_mean, recv_mean = mean_logprob(src_lps), mean_logprob(recv_lps)
-        s = compatibility(recv_mean, src_mean)
-        parts = CompatParts(src_mean, recv_mean, len(src_lps), len(recv_lps))
-        if hacpo:
-            w = 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
-        elif rules.admission == "random":
-            w = 0.0  # drawn over the whole direction (core.graft.random_admission)
-        else:
-            w = compat_weight(s, rules.delta, rules.gate, rules.floor)
-        seq_ratio = None
-        if peer_ratio is not None:
-            seq_ratio = SeqRatio(src_mean, *peer_ratio)
-        elif rules.peer_ratio == "sequence" and rules.peer_loss == "clip":  # Table 2a
-            seq_ratio = SeqRatio(recv_mean, 1.0 - rules.clip_eps_low, 1.0 + rules.clip_eps_high)
-        trajs.append(
-            Trajectory(
-                turns=episode,
-                reward=t.reward,
-                success=t.success,
-                advantage=t.advantage,
-                weight=w,
-                source="peer",
-                loss="hacpo" if hacpo else rules.peer_loss,
-                seq_ratio=seq_ratio,
-                compat=s,
-                compat_parts=parts,
-            )
-        )
+    peer_range = _hacpo_peer_range(rules, step) if rules.hacpo else None
+    received = [
+        _received(t, [item] if isinstance(item, Turn) else list(item), rules, peer_range)
+        for t, item in zip(peers, turns, strict=True)
+    ]
     own_t = list(own.trajectories)
-    if hacpo:  # receiver || peer, capability-weighted baseline
-        a_own, a_peer = capability_advantages(
-            torch.tensor([t.reward for t in own_t]),
-            torch.tensor([t.reward for t in trajs]),
-            *capability,
-        )
-        own_clip = (1.0 - rules.hacpo_clip_low, 1.0 + rules.hacpo_clip_high)
-        for t, a in zip(own_t, a_own.tolist(), strict=True):
-            t.advantage = a
-            t.seq_ratio = SeqRatio(mean_logprob(t.turns[0].logprobs), *own_clip)
-        for t, a in zip(trajs, a_peer.tolist(), strict=True):
-            t.advantage = a if live else 0.0  # outside GRAFT's selection: no advantage
-        trajs = own_t + trajs
+    if rules.hacpo:
+        _hacpo_advantages(own_t, received, rules, live, capability)
+        received = own_t + received
     elif rules.peer_advantage == "pooled":  # receiver || peer, advantages over the pool
         a_own, a_peer = pooled_advantages(
             torch.tensor([t.reward for t in own_t]),
-            torch.tensor([t.reward for t in trajs]),
+            torch.tensor([t.reward for t in received]),
             eps=POOLED_EPS,
         )
-        for t, a in zip(own_t, a_own.tolist(), strict=True):
+        for t, a in zip(own_t + received, a_own.tolist() + a_peer.tolist(), strict=True):
             t.advantage = a
-        for t, a in zip(trajs, a_peer.tolist(), strict=True):
-            t.advantage = a
-        trajs = own_t + trajs
-    return Group(task_id=own.task_id, trajectories=trajs, task=own.task, peer=True)
+        received = own_t + received
+    return Group(task_id=own.task_id, trajectories=received, task=own.task, peer=True)
+
+
+def _hacpo_peer_range(rules: ExchangeRules, step: int) -> tuple[float, float | None]:
+    """HACPO's sequence-level ratio range of peer responses at ``step`` (None: no upper)."""
+    low, high = hacpo_clip_range(
+        step, rules.hacpo_peer_low, rules.hacpo_peer_ramp, rules.hacpo_peer_high
+    )
+    return low, None if high == float("inf") else high
+
+
+def _peer_weight(s: float, rules: ExchangeRules) -> float:
+    """A peer response's weight from its compatibility ``s``."""
+    if rules.hacpo:
+        return 1.0  # peer coefficient 1; the mismatch is handled by the clipped sequence ratio
+    if rules.admission == "random":
+        return 0.0  # drawn over the whole direction (core.graft.random_admission)
+    return compat_weight(s, rules.delta, rules.gate, rules.floor)
+
+
+def _received(
+    t: Trajectory,
+    episode: list[Turn],
+    rules: ExchangeRules,
+    peer_range: tuple[float, float | None] | None,
+) -> Trajectory:
+    """Peer trajectory ``t`` as the receiver trains on it: its response in the receiver's
+    tokens (``episode``), compatibility, weight, loss and sequence-ratio range."""
+    src_lps, recv_lps = episode_logprobs(t.turns), episode_logprobs(episode)
+    src_mean, recv_mean = mean_logprob(src_lps), mean_logprob(recv_lps)
+    s = compatibility(recv_mean, src_mean)
+    seq_ratio = None
+    if peer_range is not None:
+        seq_ratio = SeqRatio(src_mean, *peer_range)
+    elif rules.peer_ratio == "sequence" and rules.peer_loss == "clip":  # Table 2a
+        seq_ratio = SeqRatio(recv_mean, 1.0 - rules.clip_eps_low, 1.0 + rules.clip_eps_high)
+    return Trajectory(
+        turns=episode,
+        reward=t.reward,
+        success=t.success,
+        advantage=t.advantage,
+        weight=_peer_weight(s, rules),
+        source="peer",
+        loss="hacpo" if rules.hacpo else rules.peer_loss,
+        seq_ratio=seq_ratio,
+        compat=s,
+        compat_parts=CompatParts(src_mean, recv_mean, len(src_lps), len(recv_lps)),
+    )
+
+
+def _hacpo_advantages(
+    own: list[Trajectory],
+    peers: list[Trajectory],
+    rules: ExchangeRules,
+    live: bool,
+    capability: tuple[float, float],
+) -> None:
+    """HACPO (receiver || peer): capability-weighted baseline advantages, in place; own
+    responses get the clipped sequence ratio, peers outside GRAFT's selection no advantage."""
+    a_own, a_peer = capability_advantages(
+        torch.tensor([t.reward for t in own]),
+        torch.tensor([t.reward for t in peers]),
+        *capability,
+    )
+    own_clip = (1.0 - rules.hacpo_clip_low, 1.0 + rules.hacpo_clip_high)
+    for t, a in zip(own, a_own.tolist(), strict=True):
+        t.advantage = a
+        t.seq_ratio = SeqRatio(mean_logprob(t.turns[0].logprobs), *own_clip)
+    for t, a in zip(peers, a_peer.tolist(), strict=True):
+        t.advantage = a if live else 0.0  # outside GRAFT's selection: no advantage
 
 
 def weight_metrics(weights: Sequence[float]) -> dict[str, float]:
