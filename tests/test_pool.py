@@ -120,3 +120,26 @@ def test_bad_pool_settings_are_refused():
         EnvSpec(name="scripted", backend="slurm")
     with pytest.raises(ValueError, match="num_workers must be >= 1 with backend=ray"):
         EnvSpec(name="scripted", backend="ray", num_workers=0)
+    with pytest.raises(ValueError, match="data.env.startup_timeout_s must be > 0, got 0"):
+        EnvSpec(name="scripted", startup_timeout_s=0)
+
+
+def test_env_spec_startup_timeout_reaches_the_worker_pool():
+    """``data.env.startup_timeout_s`` is the pool's: a worker that cannot start within it is
+    an error naming the limit (here 1e-3 s: no process starts that fast)."""
+    from salvage.datamodules.agent import AgentDataModule, EnvSpec
+
+    spec = EnvSpec(name="scripted", num_workers=1, startup_timeout_s=1e-3, train_tasks={})
+    dm = AgentDataModule(env=spec, tasks_per_step=2, group_size=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"within 0.001 s \(data.env.startup_timeout_s\)"):
+            dm.setup("fit")  # the pool starts its workers when the datamodule sets up
+    finally:
+        dm.teardown("fit")
+    spec = EnvSpec(name="scripted", num_workers=1, startup_timeout_s=77.0, train_tasks={})
+    dm = AgentDataModule(env=spec, tasks_per_step=2, group_size=2)
+    dm.setup("fit")
+    try:
+        assert dm.pool.startup_timeout_s == 77.0
+    finally:
+        dm.teardown("fit")

@@ -65,6 +65,8 @@ class EnvSpec:
     """backend=ray: custom resources per actor (``{env_node: 1}``: only nodes started with it)."""
     step_timeout_s: float = 60.0
     """A worker silent this long on one operation is declared hung and restarted."""
+    startup_timeout_s: float = 300.0
+    """A worker (or Ray actor: placement, then its environment) not up within this is an error."""
 
     def __post_init__(self) -> None:
         env_class(self.name)  # unknown names fail at config time, naming the key
@@ -78,6 +80,10 @@ class EnvSpec:
             )
         if self.step_timeout_s <= 0:
             raise ConfigError(f"data.env.step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if self.startup_timeout_s <= 0:
+            raise ConfigError(
+                f"data.env.startup_timeout_s must be > 0, got {self.startup_timeout_s}"
+            )
         problem = resources_problem(self.ray_resources)
         if problem:
             raise ConfigError(f"data.env.ray_resources={self.ray_resources!r} {problem}")
@@ -287,12 +293,19 @@ class AgentDataModule(RolloutDataModule):
                     spec.kwargs,
                     spec.num_workers,
                     spec.step_timeout_s,
+                    spec.startup_timeout_s,
                     address=spec.ray_address,
                     num_cpus=spec.ray_num_cpus,
                     resources=spec.ray_resources,
                 )
             else:
-                self.pool = EnvPool(spec.name, spec.kwargs, spec.num_workers, spec.step_timeout_s)
+                self.pool = EnvPool(
+                    spec.name,
+                    spec.kwargs,
+                    spec.num_workers,
+                    spec.step_timeout_s,
+                    spec.startup_timeout_s,
+                )
             self.runner = AgentRunner(self.pool, self.fmt, self.max_turns)
         trainer = getattr(self, "trainer", None)
         if (

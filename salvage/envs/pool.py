@@ -211,7 +211,9 @@ class EnvPool:
         """Block until a (re)started worker has imported everything (not a step timeout)."""
         if not w.parent.poll(self.startup_timeout_s):
             w.kill()
-            raise RuntimeError(f"env worker did not start within {self.startup_timeout_s:.0f}s")
+            raise RuntimeError(
+                f"env worker did not start within {self.startup_timeout_s:g} s (data.env.startup_timeout_s)"
+            )
         w.parent.recv()
 
     # ------------------------------------------------------------------ public ops
