@@ -10,6 +10,13 @@ stopped (a checkpoint but no ``done.json``) or not started. Rerun it as runs fin
 Absolute paths of the machine (``--strip``, default the current directory and the Python
 executable's environment) are cut from the text files copied, so the record names
 repository-relative paths (``python`` for the interpreter).
+
+    python studies/record_runs.py --restore docs/results/vhgpo_twx/record runs/studies/vhgpo_twx
+
+puts a record's finished runs back into a study dir (``done.json``, ``metrics.csv``,
+``config.yaml``, the exchange / relay records unzipped): on a new machine, ``salvage study``
+then skips them and runs only the rest, and ``salvage compare`` reads them all. It never
+overwrites a run dir that exists.
 """
 
 from __future__ import annotations
@@ -72,10 +79,44 @@ def record(study_dir: Path, out: Path, prefixes: list[str]) -> dict[str, list[st
     return status
 
 
+def restore(record_dir: Path, study_dir: Path) -> list[str]:
+    """Copy the finished runs of a record back into ``study_dir``; the runs restored."""
+    restored: list[str] = []
+    for done in sorted(record_dir.glob("**/done.json")):
+        src = done.parent
+        rel = src.relative_to(record_dir)
+        dst = study_dir / rel
+        if dst.exists():
+            continue
+        dst.mkdir(parents=True)
+        (dst / "done.json").write_bytes(done.read_bytes())
+        for version in sorted(src.glob("version_*")):
+            vdst = dst / version.name
+            vdst.mkdir()
+            for f in version.iterdir():
+                if f.suffix == ".gz":
+                    with gzip.open(f, "rb") as g:
+                        (vdst / f.stem).write_bytes(g.read())
+                else:
+                    (vdst / f.name).write_bytes(f.read_bytes())
+        restored.append(str(rel))
+    return restored
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("study_dir", help="the study dir (salvage study --out)")
-    p.add_argument("out", help="where the record goes, e.g. docs/results/<study>/runs")
+    p.add_argument(
+        "study_dir", help="the study dir (salvage study --out); with --restore: the record"
+    )
+    p.add_argument(
+        "out",
+        help="where the record goes, e.g. docs/results/<study>/runs; with --restore: the study dir",
+    )
+    p.add_argument(
+        "--restore",
+        action="store_true",
+        help="copy the record's finished runs back into the study dir instead",
+    )
     p.add_argument(
         "--strip",
         action="append",
@@ -84,6 +125,10 @@ def main() -> None:
         "current directory)",
     )
     a = p.parse_args()
+    if a.restore:
+        done = restore(Path(a.study_dir), Path(a.out))
+        print(f"restored {len(done)} runs: {', '.join(done) or '-'}")
+        return
     s = record(Path(a.study_dir), Path(a.out), a.strip or [str(Path.cwd())])
     print(", ".join(f"{k}: {len(v)}" for k, v in s.items()))
 
