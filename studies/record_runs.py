@@ -39,8 +39,8 @@ def _strip(text: str, prefixes: list[str]) -> str:
 def _copy(src: Path, dst: Path, prefixes: list[str], gz: bool = False) -> None:
     text = _strip(src.read_text(encoding="utf-8", errors="replace"), prefixes)
     if gz:
-        with gzip.open(dst, "wt", encoding="utf-8") as g:
-            g.write(text)
+        # mtime=0: the same text gives the same bytes, so re-recording a run changes nothing
+        dst.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
     else:
         dst.write_text(text, encoding="utf-8")
 
