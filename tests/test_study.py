@@ -451,10 +451,14 @@ def _metrics(path: Path, rows: list[dict[str, float]]) -> None:
         w.writerows(rows)
 
 
-def _run(study: Path, method: str, seed: int, val: list[float], wall: float) -> None:
+def _run(
+    study: Path, method: str, seed: int, val: list[float], wall: float, done: bool = True
+) -> None:
     rows = [{"step": s, "val/success": v} for s, v in zip((0, 2, 4), val, strict=True)]
     rows += [{"step": s, "rollout/success_rate": 0.1 * s, "cost/wall_s": wall} for s in range(5)]
     _metrics(study / method / f"seed{seed}" / "version_0" / "metrics.csv", rows)
+    if done:  # what the study runner writes when the fit exits 0
+        (study / method / f"seed{seed}" / "done.json").write_text('{"command": []}')
 
 
 def _colours(png: Path) -> int:
@@ -512,6 +516,42 @@ def test_compare_table_and_plots_on_hand_numbers(tmp_path):
     for name in ("val_success.png", "rollout_success_rate.png"):
         assert _colours(s / "compare" / name) > 10, name
     assert "Not logged by any run: zero-signal fraction, extra-token ratio, GPU-hours" in md
+
+
+def test_compare_of_a_study_leaves_out_its_calibration_and_unfinished_runs(tmp_path, capsys):
+    from salvage.commands.compare import main
+
+    s = tmp_path / "study"
+    _write(s / "study.json", json.dumps({"baseline": "grpo", "methods": ["grpo", "vh"]}))
+    _run(s, "grpo", 0, [0.0, 0.1, 0.2], 1.0)
+    _run(s, "vh", 0, [0.0, 0.1, 0.5], 1.0)
+    _run(s, "grpo", 1, [0.0, 0.1, 0.9], 1.0, done=False)  # still running (no done.json)
+    # the study's regime calibration: a grpo seed 0 of its own, not a record run
+    _run(s / "_calibration", "grpo", 0, [0.0, 0.0, 0.0], 1.0)
+    md = compare([s], tmp_path / "c", None, None)
+    # grpo: seed 0 only (final 0.2), once; vh - grpo = 0.3
+    assert "Runs: grpo: seeds [0]; vh: seeds [0]" in md
+    assert "| grpo | 1 | 0.200 |" in md
+    assert "s0: +0.300" in md
+    assert (
+        "left out 1 unfinished runs (no done.json; --include-unfinished keeps them): grpo/seed1"
+        in md
+    )
+    md = compare([s], tmp_path / "c", None, None, include_unfinished=True)
+    assert "Runs: grpo: seeds [0, 1]; vh: seeds [0]" in md
+    assert "left out" not in md
+    # the calibration compared on its own, when named
+    md = compare([s / "_calibration"], tmp_path / "c", "grpo", None)
+    assert "Runs: grpo: seeds [0]" in md
+    assert "| grpo | 1 | 0.000 |" in md
+    # a study with no finished run: one line naming it
+    t = tmp_path / "fresh"
+    _write(t / "study.json", json.dumps({"baseline": "grpo"}))
+    _run(t, "grpo", 0, [0.0, 0.1, 0.2], 1.0, done=False)
+    with pytest.raises(SystemExit):
+        main([str(t), "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert "no finished run under" in err and "1 unfinished" in err
 
 
 def test_compare_warns_when_seed_sets_differ(tmp_path):

@@ -20,6 +20,7 @@ from salvage.commands.compare.runs import (
 )
 from salvage.commands.compare.tables import admission_section, table
 from salvage.core.stats import band
+from salvage.errors import DataError
 from salvage.history import exchange_delta, exchange_rows
 from salvage.plots import plot_log_s, pyplot
 
@@ -105,14 +106,23 @@ def compare(
     baseline: str | None,
     metrics: list[str] | None,
     effect: float = 0.1,
+    include_unfinished: bool = False,
 ) -> str:
     """Write the PNGs and ``compare.md`` into ``out``; return the markdown. ``effect``: the
     difference of the final score the ``seeds for +EFFECT`` column sizes the study for."""
     if not effect > 0:
         raise ValueError(f"--effect must be > 0, got {effect}")
-    runs = collect(paths)
+    info = {}
     if len(paths) == 1 and (paths[0] / "study.json").is_file():
         info = read_study_json(paths[0] / "study.json")
+    left_out: list[Path] = []
+    runs = collect(paths, include_unfinished, left_out)
+    if not runs:
+        raise DataError(
+            f"no finished run under {', '.join(repr(str(p)) for p in paths)} "
+            f"({len(left_out)} unfinished: no done.json); --include-unfinished compares them"
+        )
+    if info:
         baseline = baseline or info.get("baseline")
         order = {m: i for i, m in enumerate(info.get("methods") or [])}
         runs.sort(key=lambda r: (order.get(r.method, len(order)), r.method, r.seed))
@@ -120,6 +130,12 @@ def compare(
     out.mkdir(parents=True, exist_ok=True)
     plots, missing = _plots(runs, keys, out)
     body, warnings = table(runs, keys, baseline, effect)
+    if left_out:
+        warnings.insert(
+            0,
+            f"left out {len(left_out)} unfinished runs (no done.json; --include-unfinished "
+            "keeps them): " + ", ".join(f"{r.parent.name}/{r.name}" for r in left_out),
+        )
     methods = by_method(runs)
     rows = _exchange_rowsby_method(runs)
     md = ["# Comparison", ""]
@@ -172,12 +188,21 @@ def main(argv: list[str] | None = None) -> None:
         "'seeds for +EFFECT' column gives the seeds a paired t-test needs to detect it at "
         "80%% power (two-sided alpha 0.05) at the observed paired SD (default 0.1)",
     )
+    p.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="below a study dir, also compare its runs without done.json (stopped, crashed "
+        "or still running); by default they are left out, named in a warning",
+    )
     a = p.parse_args(argv)
     out = a.out or (
         a.paths[0] / "compare" if len(a.paths) == 1 and not is_run(a.paths[0]) else Path("compare")
     )
     try:
-        print(compare(a.paths, out, a.baseline, a.metric, a.effect), end="")
+        print(
+            compare(a.paths, out, a.baseline, a.metric, a.effect, a.include_unfinished),
+            end="",
+        )
     except ValueError as e:
         p.exit(2, f"salvage compare: error: {' '.join(str(e).split())}\n")
     print(f"wrote {out}")

@@ -71,18 +71,35 @@ def is_run(p: Path) -> bool:
 
 def _runs_under(p: Path) -> list[Path]:
     """``p`` if it is a run, and every run below it (method dirs, study dirs, and runs
-    beside them at any depth), never looking inside ``version_*`` folders."""
+    beside them at any depth), never looking inside ``version_*`` folders nor folders
+    named ``_*`` (a study's own ``_calibration`` runs: name such a folder to compare it)."""
     found: list[Path] = []
     if is_run(p):
         found.append(p)
-    for child in sorted(c for c in p.iterdir() if c.is_dir() and not VERSION_DIR.match(c.name)):
+    for child in sorted(
+        c
+        for c in p.iterdir()
+        if c.is_dir() and not VERSION_DIR.match(c.name) and not c.name.startswith("_")
+    ):
         found += _runs_under(child)
     return found
 
 
-def collect(paths: list[Path]) -> list[RunData]:
+def unfinished(study_dir: Path, runs: list[Path]) -> list[Path]:
+    """The runs of a study dir (one holding ``study.json``) without ``done.json``: fits the
+    study started and has not finished (stopped, crashed, or still running)."""
+    if not (study_dir / "study.json").is_file():
+        return []
+    return [r for r in runs if not (r / "done.json").is_file()]
+
+
+def collect(
+    paths: list[Path], include_unfinished: bool = False, left_out: list[Path] | None = None
+) -> list[RunData]:
     """Runs under the given study dirs / run dirs (method = parent folder name): every run
-    at any depth below each path, the path itself included."""
+    at any depth below each path, the path itself included. Below a study dir, its runs
+    without ``done.json`` are left out (appended to ``left_out``) unless
+    ``include_unfinished``: a verdict compares finished runs."""
     found: list[Path] = []
     for p in paths:
         if not p.is_dir():
@@ -93,6 +110,11 @@ def collect(paths: list[Path]) -> list[RunData]:
                 f"{str(p)!r} holds no run dirs (RUN/version_*/metrics.csv, "
                 "METHOD/RUN/... or STUDY/METHOD/RUN/...)"
             )
+        if not include_unfinished:
+            skip = unfinished(p, runs)
+            if left_out is not None:
+                left_out += skip
+            runs = [r for r in runs if r not in skip]
         found += [r for r in runs if r not in found]
     out: list[RunData] = []
     pos: dict[str, int] = {}
