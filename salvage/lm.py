@@ -338,7 +338,6 @@ def packed_token_logprobs(
     """
     from salvage.core.packing import has_shared_prompt, pack_rows, packed_attention
 
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not packable(model) or min(starts, default=-1) < 0 or not has_shared_prompt(seqs, starts):
         ids, mask = pad_right(seqs, pad_id, device)
         return token_logprobs(model, ids, mask, temperature, first=min(starts, default=0))
@@ -346,18 +345,36 @@ def packed_token_logprobs(
     ids, _ = pad_right(layout.input_ids, pad_id, device)
     pos, _ = pad_right(layout.position_ids, 0, device)
     allowed = packed_attention(layout.segments, layout.blocks, ids.shape[1]).to(ids.device)
-    if impl == "eager":  # eager adds the mask to the scores: 0 / most negative
-        dtype = cast(Any, model).get_input_embeddings().weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=ids.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
-    else:
-        mask = allowed
-    W = ids.shape[1]
-    first = layout.first_needed
+    mask = _packed_mask(model, allowed)
     chunk = logprob_chunk_size(model)
     name = _head_name(model) if chunk > 0 else None
     if name is not None:  # the LM head in chunks, as token_logprobs (one target per position)
         return _packed_chunked(model, name, chunk, layout, ids, mask, pos, seqs, temperature)
+    return _packed_full(model, layout, ids, mask, pos, seqs, temperature)
+
+
+def _packed_mask(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """The packed attention mask as the model's attention takes it (additive for eager)."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl == "eager":  # eager adds the mask to the scores: 0 / most negative
+        dtype = cast(Any, model).get_input_embeddings().weight.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    return allowed
+
+
+def _packed_full(
+    model: torch.nn.Module,
+    layout: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    pos: torch.Tensor,
+    seqs: Sequence[Sequence[int]],
+    temperature: float,
+) -> torch.Tensor:
+    """``packed_token_logprobs`` from the full logits of the needed positions, per sequence."""
+    W = ids.shape[1]
+    first = layout.first_needed
     out = model(
         input_ids=ids,
         attention_mask=mask,

@@ -4,6 +4,9 @@
   ``salvage.commands``, lazily inside a function included; ``salvage/__main__.py`` (the
   ``python -m salvage`` entry) is the one module outside that imports the command line.
 - The files of ``salvage/commands/`` stay under 500 lines.
+- The hot-path functions (``salvage/modules/``, ``rollout/``, ``datamodules/``, ``callbacks/``,
+  ``lm.py``, ``core/packing.py``) stay within 60 lines each, docstring included, decorators
+  not; constructors (``__init__``, which list their documented arguments) are exempt.
 - The commands that read runs (``study``, ``compare``, ``report``, ``joint-cost``) import
   neither Lightning nor torch nor transformers.
 - The old module paths (``salvage.cli``, ``salvage.study``, ...) import as the moved
@@ -34,6 +37,12 @@ OLD_PATHS = {
     "salvage.joint_cost": "salvage.commands.joint_cost",
 }
 MAX_LINES = 510  # "about 500": modules/grpo.py keeps what tests patch by its name (502)
+HOT_PATH = [
+    *(PKG / d for d in ("modules", "rollout", "datamodules", "callbacks")),
+    PKG / "lm.py",
+    PKG / "core" / "packing.py",
+]
+MAX_FUNCTION_LINES = 60
 
 
 def package_of(path: Path, root: Path = ROOT) -> str:
@@ -76,6 +85,23 @@ def _is_commands(module: str) -> bool:
 
 def library_files() -> list[Path]:
     return sorted(p for p in PKG.rglob("*.py") if COMMANDS not in p.parents and p != ENTRY)
+
+
+def hot_path_files() -> list[Path]:
+    return sorted(f for p in HOT_PATH for f in ([p] if p.is_file() else p.rglob("*.py")))
+
+
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method of a file, nested ones included, over
+    ``limit`` lines (``def`` to its last line: decorators not counted), ``__init__`` aside."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return [
+        (node.name, n)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name != "__init__"
+        and (n := (node.end_lineno or node.lineno) - node.lineno + 1) > limit
+    ]
 
 
 def test_the_walk_sees_imports_at_any_depth(tmp_path):
@@ -127,6 +153,38 @@ def test_no_file_of_the_package_is_over_the_limit():
         if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert big == {}, f"over {MAX_LINES} lines: {big}"
+
+
+def test_the_function_walk_counts_methods_and_nested_functions(tmp_path):
+    code = (
+        "@decorated\n"
+        "def short():\n"
+        "    a = 1\n"
+        "    return a\n"
+        "class C:\n"
+        "    def __init__(self):\n"
+        "        self.a = 1\n"
+        "        self.b = 2\n"
+        "        self.c = 3\n"
+        "    async def method(self):\n"
+        "        def nested():\n"
+        "            pass\n"
+        "        return nested\n"
+    )
+    probe = tmp_path / "probe.py"
+    probe.write_text(code, encoding="utf-8")
+    # the decorator is not counted, ``__init__`` (4 lines) is exempt
+    assert long_functions(probe, limit=2) == [("short", 3), ("method", 4)]
+    assert long_functions(probe, limit=1) == [("short", 3), ("method", 4), ("nested", 2)]
+
+
+def test_hot_path_functions_are_short():
+    files = hot_path_files()
+    assert PKG / "modules" / "peers.py" in files and PKG / "core" / "packing.py" in files
+    long = [
+        f"{p.relative_to(ROOT)}:{name} ({n} lines)" for p in files for name, n in long_functions(p)
+    ]
+    assert long == [], f"over {MAX_FUNCTION_LINES} lines (split at the steps):\n" + "\n".join(long)
 
 
 def _python(code_or_args: list[str], timeout: int = 120) -> subprocess.CompletedProcess[str]:

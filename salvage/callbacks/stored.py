@@ -203,37 +203,7 @@ class StoredPeer(L.Callback):
         dm = attached_datamodule(trainer, RLVRDataModule)
         if not isinstance(pl_module, GRPOModule):
             raise TypeError(f"StoredPeer trains a GRPOModule, got {type(pl_module).__name__}")
-        peer_groups = []
-        for g in batch.groups:
-            p = stored[g.task_id]
-            if p.get("answer") is not None and str(p["answer"]) != str(g.task["answer"]):
-                raise DataError(
-                    f"StoredPeer: the log of step {step} ({self.dirpath / f'step_{step:06d}.json'}) "
-                    f"has answer {p['answer']!r} for task "
-                    f"{g.task_id!r}, this run {g.task['answer']!r}: the runs differ (data)"
-                )
-            trajs = []
-            for r in p["responses"]:
-                res = dm.reward_fn(r["text"], g.task["answer"])  # re-verified, never trusted
-                trajs.append(
-                    Trajectory(
-                        turns=[
-                            Turn(
-                                [],
-                                [],
-                                list(r["logprobs"]),
-                                response_text=r["text"],
-                                finish_reason=r["finish_reason"],
-                            )
-                        ],
-                        reward=res.reward,
-                        success=res.success,
-                        source="stored",
-                    )
-                )
-            pg = Group(task_id=g.task_id, trajectories=trajs, task=g.task)
-            assign_advantages(pg, dm.advantage, dm.adv_eps, dm.reward_tol, dm.adv_tol)
-            peer_groups.append(pg)
+        peer_groups = [self._peer_group(g, stored[g.task_id], dm, step) for g in batch.groups]
         n = max(len(g.trajectories) for g in batch.groups)
         k_recv = [sum(g.successes) for g in batch.groups]
         k_src = [sum(g.successes) for g in peer_groups]
@@ -248,16 +218,7 @@ class StoredPeer(L.Callback):
                 random.Random(step_seed(self.seed, step, STORED_ADMISSION)),
             )
         self.transferred += len(prompts)
-        record = {
-            "step": step,
-            "transfers": {"stored_to_self": prompts},
-            "weights": weights,
-            "delta": self.rules.delta,
-            "gate": self.rules.gate,
-            "responses": transfer_rows(batch.groups, prompts, "stored", "self", step),
-        }
-        with run_file(trainer, "exchange").open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        self._write_exchange(trainer, step, batch, prompts, weights)
         batch.minibatch_groups = plan_minibatches(
             [g.peer for g in batch.groups],
             "peer-last",
@@ -271,3 +232,54 @@ class StoredPeer(L.Callback):
             }
             | weight_metrics(weights)
         )
+
+    def _peer_group(self, g: Group, p: dict[str, Any], dm: RLVRDataModule, step: int) -> Group:
+        """The stored responses to ``g``'s prompt, re-verified by this run, with advantages."""
+        if p.get("answer") is not None and str(p["answer"]) != str(g.task["answer"]):
+            raise DataError(
+                f"StoredPeer: the log of step {step} ({self.dirpath / f'step_{step:06d}.json'}) "
+                f"has answer {p['answer']!r} for task "
+                f"{g.task_id!r}, this run {g.task['answer']!r}: the runs differ (data)"
+            )
+        trajs = []
+        for r in p["responses"]:
+            res = dm.reward_fn(r["text"], g.task["answer"])  # re-verified, never trusted
+            trajs.append(
+                Trajectory(
+                    turns=[
+                        Turn(
+                            [],
+                            [],
+                            list(r["logprobs"]),
+                            response_text=r["text"],
+                            finish_reason=r["finish_reason"],
+                        )
+                    ],
+                    reward=res.reward,
+                    success=res.success,
+                    source="stored",
+                )
+            )
+        pg = Group(task_id=g.task_id, trajectories=trajs, task=g.task)
+        assign_advantages(pg, dm.advantage, dm.adv_eps, dm.reward_tol, dm.adv_tol)
+        return pg
+
+    def _write_exchange(
+        self,
+        trainer: L.Trainer,
+        step: int,
+        batch: RolloutBatch,
+        prompts: list[int],
+        weights: list[float],
+    ) -> None:
+        """Append the step's transfers to the run's ``exchange.jsonl`` (as GRAFT's)."""
+        record = {
+            "step": step,
+            "transfers": {"stored_to_self": prompts},
+            "weights": weights,
+            "delta": self.rules.delta,
+            "gate": self.rules.gate,
+            "responses": transfer_rows(batch.groups, prompts, "stored", "self", step),
+        }
+        with run_file(trainer, "exchange").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")

@@ -127,6 +127,32 @@ def pack_rows(
     """
     if len(seqs) != len(starts):
         raise ValueError(f"pack_rows: {len(seqs)} sequences but {len(starts)} starts")
+    ids, pos, seg, row_pack, row_positions, row_targets = _build_packs(seqs, starts)
+    lengths = [len(x) for x in ids]
+    if join:
+        bins = join_packs(lengths)
+    else:
+        bins = [[k] for k in range(len(ids))]
+    out_ids, out_pos, out_seg, out_blk, seq_of, offset = _lay_out(ids, pos, seg, bins)
+    return PackedLayout(
+        out_ids,
+        out_pos,
+        out_seg,
+        out_blk,
+        [seq_of[k] for k in row_pack],
+        [[q + offset[k] for q in p] for p, k in zip(row_positions, row_pack, strict=True)],
+        row_targets,
+        list(starts),
+    )
+
+
+_Lists = list[list[int]]  # per pack, sequence or row
+
+
+def _build_packs(
+    seqs: Sequence[Sequence[int]], starts: Sequence[int]
+) -> tuple[_Lists, _Lists, _Lists, list[int], _Lists, _Lists]:
+    """Build the packs (ids, positions, segments) and each row's pack, positions and targets."""
     pack_of: dict[tuple[int, ...], int] = {}
     ids: list[list[int]] = []
     pos: list[list[int]] = []
@@ -157,11 +183,13 @@ def pack_rows(
         ids[k] += response[:-1]
         pos[k] += list(range(a + 1, a + len(response)))
         seg[k] += [j] * max(0, len(response) - 1)
-    lengths = [len(x) for x in ids]
-    if join:
-        bins = join_packs(lengths)
-    else:
-        bins = [[k] for k in range(len(ids))]
+    return ids, pos, seg, row_pack, row_positions, row_targets
+
+
+def _lay_out(
+    ids: _Lists, pos: _Lists, seg: _Lists, bins: list[list[int]]
+) -> tuple[_Lists, _Lists, _Lists, _Lists, list[int], list[int]]:
+    """Lay each bin's packs side by side: the sequences, and each pack's sequence and offset."""
     seq_of, offset = [0] * len(ids), [0] * len(ids)
     out_ids: list[list[int]] = []
     out_pos: list[list[int]] = []
@@ -178,16 +206,7 @@ def pack_rows(
             out_pos[b] += pos[k]
             out_seg[b] += seg[k]
             out_blk[b] += [i] * len(ids[k])
-    return PackedLayout(
-        out_ids,
-        out_pos,
-        out_seg,
-        out_blk,
-        [seq_of[k] for k in row_pack],
-        [[q + offset[k] for q in p] for p, k in zip(row_positions, row_pack, strict=True)],
-        row_targets,
-        list(starts),
-    )
+    return out_ids, out_pos, out_seg, out_blk, seq_of, offset
 
 
 def packed_attention(

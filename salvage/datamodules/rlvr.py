@@ -20,7 +20,7 @@ from salvage.tasks.math import (
     source_labels,
     task_digest,
 )
-from salvage.types import Group, RolloutBatch, RolloutStats, Trajectory, Turn
+from salvage.types import Group, RolloutBatch, RolloutStats, Sample, Trajectory, Turn
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +213,27 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
         )
         t_gen = time.perf_counter()
         timeouts_before = self.reward_fn.timeouts
+        groups = self._score_samples(tasks, samples)
+        if advantages:
+            for g in groups:
+                self.assign_group_advantages(g)
+        t_end = time.perf_counter()
+        gen_tokens = sum(len(s.response_ids) for row in samples for s in row)
+        used_t = engine.temperature if temperature is None else temperature
+        return RolloutBatch(
+            groups=groups,
+            temperature=used_t if used_t > 0 else 1.0,
+            stats=RolloutStats(
+                t_start=t0,
+                time_generate=t_gen - t0,
+                time_reward=t_end - t_gen,
+                gen_tokens=float(gen_tokens),
+                verifier_timeouts=float(self.reward_fn.timeouts - timeouts_before),
+            ),
+        )
+
+    def _score_samples(self, tasks: list[MathTask], samples: list[list[Sample]]) -> list[Group]:
+        """Score every sample with the verifier: one group of trajectories per task."""
         groups: list[Group] = []
         for task, group_samples in zip(tasks, samples, strict=True):
             trajs = []
@@ -238,20 +259,4 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
                     task_id=task.id, trajectories=trajs, task={"answer": task.answer, **task.meta}
                 )
             )
-        if advantages:
-            for g in groups:
-                self.assign_group_advantages(g)
-        t_end = time.perf_counter()
-        gen_tokens = sum(len(s.response_ids) for row in samples for s in row)
-        used_t = engine.temperature if temperature is None else temperature
-        return RolloutBatch(
-            groups=groups,
-            temperature=used_t if used_t > 0 else 1.0,
-            stats=RolloutStats(
-                t_start=t0,
-                time_generate=t_gen - t0,
-                time_reward=t_end - t_gen,
-                gen_tokens=float(gen_tokens),
-                verifier_timeouts=float(self.reward_fn.timeouts - timeouts_before),
-            ),
-        )
+        return groups

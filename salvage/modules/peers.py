@@ -26,6 +26,7 @@ from salvage.core.exchange import episode_logprobs, transfer_rows, weight_metric
 from salvage.core.graft import compatibility, mean_logprob
 from salvage.core.peers import (
     SOURCE_RULES,
+    Pair,
     balance_pairs,
     candidates,
     capped_mean_compat,
@@ -42,6 +43,7 @@ from salvage.progress import stage
 from salvage.types import PairedBatch, RolloutBatch, Trajectory, Turn
 
 Scored = tuple[list[Trajectory], list[list[Turn]]]  # peer_turns' result for one prompt
+Sends = dict[Pair, list[int]]  # prompts per (source, receiver) pair
 
 _TWO_MODEL_ONLY = {"mode": "graft", "selection": "complementary", "restrict_to_selection": False}
 """GRAFTModule arguments whose other values are two-model baselines (SGT, HACPO, count-matched
@@ -153,48 +155,13 @@ class PeerGroupModule(GRAFTModule):
                 "GraftDataModule (it rolls out every model of the module)"
             )
         batches = [parts[n] for n in self.names]
-        learners = self.learners()
-        first = batches[0].groups
-        n = max((len(g.trajectories) for g in first), default=0)
         rng = random.Random(step_seed(hp.seed, self.global_step, GRAFT_EXCHANGE))
-        k = [[sum(g.successes) for g in b.groups] for b in batches]
         # every model receives from the others' own (pre-exchange) groups
         own = [RolloutBatch(groups=list(b.groups), temperature=b.temperature) for b in batches]
         pairs = pair_order(len(batches))
-        # receiver likelihoods are local forwards under FSDP: each receiver is gathered only
-        # while it scores, and every rank enters every receiver's context in the same order
-        proposed: dict[tuple[int, int], list[int]] = {p: [] for p in pairs}
-        sends = proposed
-        # the chosen source's responses, scored once for the choice: the exchange reuses them
-        # (no receiver update in between, so they are the very values it would compute)
-        scored: dict[tuple[int, int, int], Scored] = {}
-        if hp.exchange:
-            table: dict[tuple[int, int, int], float] = {}
-            if hp.source_rule == "compat":  # score only prompts with several candidates
-                for r, lr in enumerate(learners):
-                    with gathered(lr.policy):
-                        for q in range(len(k[r])):
-                            cand = candidates(k, r, q, n)
-                            for s in cand if len(cand) > 1 else []:
-                                table[(s, r, q)], scored[(s, r, q)] = self._compat(
-                                    own[s], own[r], q, lr
-                                )
-            proposed = choose_sources(k, n, rng, hp.source_rule, lambda s, r, q: table[(s, r, q)])
-            sends = balance_pairs(proposed, len(batches), rng, hp.balance, hp.rho)
+        proposed, sends, scored = self._choose_transfers(own, pairs, rng)
         total = sum(len(v) for v in sends.values())
-        weights: list[float] = []
-        with stage("GRAFT exchange", total=total, unit="group") as bar:
-            for s, r in pairs:
-                with gathered(learners[r].policy):
-                    weights += self.receive(
-                        own[s],
-                        batches[r],
-                        sends[(s, r)],
-                        learners[r],
-                        rng,
-                        bar,
-                        scored={q: v for (a, b, q), v in scored.items() if (a, b) == (s, r)},
-                    )
+        weights = self._receive_all(own, batches, pairs, sends, scored, rng, total)
         step = self.global_step
         rows = [
             row
@@ -206,18 +173,7 @@ class PeerGroupModule(GRAFTModule):
         for b in batches:
             self._order(b, rng)
         per_model = self._update_all(batches)
-        values: dict[str, float] = {}
-        for name, v in zip(self.names, per_model, strict=True):
-            values.update({f"{name}/{key}": x for key, x in v.items()})
-        for s, r in pairs:
-            tag = f"{self.names[s]}_to_{self.names[r]}"
-            values[f"graft/transferred/{tag}"] = float(len(sends[(s, r)]))
-            values[f"graft/complementary/{tag}"] = float(len(proposed[(s, r)]))
-        values["graft/transferred"] = float(total)
-        values.update(weight_metrics(weights))
-        peer = [v["loss/peer_clip_frac"] for v in per_model if "loss/peer_clip_frac" in v]
-        if peer:
-            values["graft/peer_clip_frac"] = sum(peer) / len(peer)
+        values = self._peer_metrics(per_model, pairs, sends, proposed, total, weights)
         self._step_log.update(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
         self._write(
@@ -235,6 +191,87 @@ class PeerGroupModule(GRAFTModule):
                 "responses": rows,
             }
         )
+
+    def _choose_transfers(
+        self, own: list[RolloutBatch], pairs: list[Pair], rng: random.Random
+    ) -> tuple[Sends, Sends, dict[tuple[int, int, int], Scored]]:
+        """Choose the sources and balance the pairs: proposed, sent and scored (``compat``)."""
+        hp = self.hparams
+        learners = self.learners()
+        n = max((len(g.trajectories) for g in own[0].groups), default=0)
+        k = [[sum(g.successes) for g in b.groups] for b in own]
+        # receiver likelihoods are local forwards under FSDP: each receiver is gathered only
+        # while it scores, and every rank enters every receiver's context in the same order
+        proposed: Sends = {p: [] for p in pairs}
+        sends = proposed
+        # the chosen source's responses, scored once for the choice: the exchange reuses them
+        # (no receiver update in between, so they are the very values it would compute)
+        scored: dict[tuple[int, int, int], Scored] = {}
+        if hp.exchange:
+            table: dict[tuple[int, int, int], float] = {}
+            if hp.source_rule == "compat":  # score only prompts with several candidates
+                for r, lr in enumerate(learners):
+                    with gathered(lr.policy):
+                        for q in range(len(k[r])):
+                            cand = candidates(k, r, q, n)
+                            for s in cand if len(cand) > 1 else []:
+                                table[(s, r, q)], scored[(s, r, q)] = self._compat(
+                                    own[s], own[r], q, lr
+                                )
+            proposed = choose_sources(k, n, rng, hp.source_rule, lambda s, r, q: table[(s, r, q)])
+            sends = balance_pairs(proposed, len(own), rng, hp.balance, hp.rho)
+        return proposed, sends, scored
+
+    def _receive_all(
+        self,
+        own: list[RolloutBatch],
+        batches: list[RolloutBatch],
+        pairs: list[Pair],
+        sends: Sends,
+        scored: dict[tuple[int, int, int], Scored],
+        rng: random.Random,
+        total: int,
+    ) -> list[float]:
+        """Every pair's transfer into its receiver's batch, in ``pairs`` order; the weights."""
+        learners = self.learners()
+        weights: list[float] = []
+        with stage("GRAFT exchange", total=total, unit="group") as bar:
+            for s, r in pairs:
+                with gathered(learners[r].policy):
+                    weights += self.receive(
+                        own[s],
+                        batches[r],
+                        sends[(s, r)],
+                        learners[r],
+                        rng,
+                        bar,
+                        scored={q: v for (a, b, q), v in scored.items() if (a, b) == (s, r)},
+                    )
+        return weights
+
+    def _peer_metrics(
+        self,
+        per_model: list[dict[str, float]],
+        pairs: list[Pair],
+        sends: Sends,
+        proposed: Sends,
+        total: int,
+        weights: list[float],
+    ) -> dict[str, float]:
+        """The step's metrics: each model's update, the transfers per pair and in all."""
+        values: dict[str, float] = {}
+        for name, v in zip(self.names, per_model, strict=True):
+            values.update({f"{name}/{key}": x for key, x in v.items()})
+        for s, r in pairs:
+            tag = f"{self.names[s]}_to_{self.names[r]}"
+            values[f"graft/transferred/{tag}"] = float(len(sends[(s, r)]))
+            values[f"graft/complementary/{tag}"] = float(len(proposed[(s, r)]))
+        values["graft/transferred"] = float(total)
+        values.update(weight_metrics(weights))
+        peer = [v["loss/peer_clip_frac"] for v in per_model if "loss/peer_clip_frac" in v]
+        if peer:
+            values["graft/peer_clip_frac"] = sum(peer) / len(peer)
+        return values
 
     def _update_all(self, batches: list[RolloutBatch]) -> list[dict[str, float]]:
         """Each model's update in order; the last one counts Lightning's step."""

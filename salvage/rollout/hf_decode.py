@@ -171,26 +171,42 @@ def decode(
         keep = _append(live, pick, lp, toks, lps, eos_ids, ended)
         if not keep or step == max_new - 1:
             break
-        nxt = pick[:, None]
-        att = torch.cat([att, att.new_ones(att.shape[0], 1)], dim=1)
-        last = last + 1
-        if len(keep) < len(live):  # ended rows leave the batch and the cache
-            sel = torch.tensor(keep, device=ids.device)
-            live, nxt, att, last = live[sel], nxt[sel], att[sel], last[sel]
-            cache.batch_select_indices(sel)
-        small = runner is not None and len(live) <= runner_max_rows
-        out = (runner if small else lm)(
-            input_ids=nxt,
-            attention_mask=att,
-            position_ids=last,
-            **{key: cache},
-            use_cache=True,
+        small = runner is not None and len(keep) <= runner_max_rows
+        live, att, last, logits = _step(
+            runner if small else lm, cache, key, keep, live, pick, att, last
         )
-        logits = out.logits[:, -1].float()
     if timings is not None:
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + t1 - t0
         timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
     return toks, lps
+
+
+def _step(
+    lm: Any,
+    cache: Any,
+    key: str,
+    keep: list[int],
+    live: torch.Tensor,
+    pick: torch.Tensor,
+    att: torch.Tensor,
+    last: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KV-cache step of the rows in ``keep``: (live, attention mask, positions, logits)."""
+    nxt = pick[:, None]
+    att = torch.cat([att, att.new_ones(att.shape[0], 1)], dim=1)
+    last = last + 1
+    if len(keep) < len(live):  # ended rows leave the batch and the cache
+        sel = torch.tensor(keep, device=live.device)
+        live, nxt, att, last = live[sel], nxt[sel], att[sel], last[sel]
+        cache.batch_select_indices(sel)
+    out = lm(
+        input_ids=nxt,
+        attention_mask=att,
+        position_ids=last,
+        **{key: cache},
+        use_cache=True,
+    )
+    return live, att, last, out.logits[:, -1].float()
 
 
 def _cache_keyword(lm: Any) -> str:

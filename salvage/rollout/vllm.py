@@ -262,7 +262,6 @@ class VLLMEngine:
         max_new_tokens: int | None = None,
         stop: Sequence[str] | None = None,
     ) -> list[list[Sample]]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         seed, temperature, top_p, max_new, stop = call_settings(
@@ -272,8 +271,37 @@ class VLLMEngine:
         if self.backend.asleep or self.backend.needs_sync():
             self.prepare()  # outside a phase (or a gathered policy): no collectives needed
         t0 = time.perf_counter()
+        params = self._sampling_params(len(prompts), n, seed, temperature, top_p, max_new, stop)
+        with preserved_rng():
+            outs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+            )
+        if self.frozen:
+            self.release()  # a teacher sleeps between its calls (when it holds sleep mode)
+        t1 = time.perf_counter()
+        groups = [
+            _prompt_samples(prompt, out, n, seed) for prompt, out in zip(prompts, outs, strict=True)
+        ]
+        if self.recompute_logprobs:
+            self._recompute_logprobs(groups, temperature)
+        self.last_timings.update(sample_s=t1 - t0, logprob_s=time.perf_counter() - t1)
+        return groups
+
+    def _sampling_params(
+        self,
+        n_prompts: int,
+        n: int,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        max_new: int,
+        stop: Sequence[str],
+    ) -> list[Any]:
+        """One ``SamplingParams`` per prompt: its seed, its samples to send, the settings."""
+        from vllm import SamplingParams
+
         n_send = samples_to_send(temperature, n)
-        params = [
+        return [
             SamplingParams(
                 n=n_send,
                 temperature=temperature,
@@ -284,43 +312,38 @@ class VLLMEngine:
                 logprobs=None if self.recompute_logprobs else 0,  # 0: the sampled token's
                 seed=s,
             )
-            for s in request_seeds(seed, len(prompts), n_send)
+            for s in request_seeds(seed, n_prompts, n_send)
         ]
-        with preserved_rng():
-            outs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+
+    def _recompute_logprobs(self, groups: list[list[Sample]], temperature: float) -> None:
+        """Replace every sample's log-probs by the training policy's at the temperature."""
+        flat = [s for g in groups for s in g]
+        exact = response_logprobs(
+            self.model,
+            [s.prompt_ids for s in flat],
+            [s.response_ids for s in flat],
+            int(self.tokenizer.pad_token_id),
+            temperature=temperature if temperature > 0 else 1.0,
+            batch_size=self.logprob_batch_size,
+        )
+        for s, lp in zip(flat, exact, strict=True):
+            s.logprobs = lp
+
+
+def _prompt_samples(prompt: Sequence[int], out: Any, n: int, seed: int) -> list[Sample]:
+    """One prompt's ``n`` samples from its vLLM output (greedy: its one sample, copied)."""
+    group = []
+    for c in out.outputs:
+        lps = [float(next(iter(d.values())).logprob) for d in (c.logprobs or [])]
+        group.append(
+            Sample(
+                prompt_ids=list(prompt),
+                response_ids=list(c.token_ids),
+                text=c.text,
+                logprobs=lps,
+                finish_reason="length" if c.finish_reason == "length" else "stop",
+                seed=seed,
             )
-        if self.frozen:
-            self.release()  # a teacher sleeps between its calls (when it holds sleep mode)
-        t1 = time.perf_counter()
-        groups: list[list[Sample]] = []
-        for prompt, out in zip(prompts, outs, strict=True):
-            group = []
-            for c in out.outputs:
-                lps = [float(next(iter(d.values())).logprob) for d in (c.logprobs or [])]
-                group.append(
-                    Sample(
-                        prompt_ids=list(prompt),
-                        response_ids=list(c.token_ids),
-                        text=c.text,
-                        logprobs=lps,
-                        finish_reason="length" if c.finish_reason == "length" else "stop",
-                        seed=seed,
-                    )
-                )
-            group += [copy.deepcopy(group[0]) for _ in range(n - len(group))]  # greedy copies
-            groups.append(group)
-        if self.recompute_logprobs:
-            flat = [s for g in groups for s in g]
-            exact = response_logprobs(
-                self.model,
-                [s.prompt_ids for s in flat],
-                [s.response_ids for s in flat],
-                int(self.tokenizer.pad_token_id),
-                temperature=temperature if temperature > 0 else 1.0,
-                batch_size=self.logprob_batch_size,
-            )
-            for s, lp in zip(flat, exact, strict=True):
-                s.logprobs = lp
-        self.last_timings.update(sample_s=t1 - t0, logprob_s=time.perf_counter() - t1)
-        return groups
+        )
+    group += [copy.deepcopy(group[0]) for _ in range(n - len(group))]  # greedy copies
+    return group

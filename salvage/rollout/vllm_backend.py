@@ -212,6 +212,44 @@ def _build_backend(
 ) -> _Backend:
     require_in_process(os.environ)
     facts = platform_facts()
+    kv_gib = _check_platform(model, dtype, frozen, cpu_kvcache_gb, facts)
+    level = _engine_sleep_level(model, sleep_level, frozen, gpu_memory_utilization, facts)
+    source, checkpoint = _source(model, tokenizer)
+    kwargs: dict[str, Any] = dict(
+        model=source,
+        tokenizer=source,
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_sleep_mode=level > 0,
+        enable_prefix_caching=True,
+        enforce_eager=default_enforce_eager(enforce_eager, facts),
+    )
+    _add_platform_kwargs(kwargs, model, max_model_len, recompute_logprobs, facts)
+    try:
+        llm = _new_llm(kwargs, facts, kv_gib, frozen)
+    except BaseException:
+        if checkpoint is not None:
+            checkpoint.remove()
+        raise
+    backend = _Backend(
+        llm, model, level, frozen, build=kwargs, facts=facts, kv_gib=kv_gib, checkpoint=checkpoint
+    )
+    if level:
+        REGISTRY.claim_sleep(backend)
+    REGISTRY.add(model, key, backend)
+    backend.release()
+    return backend
+
+
+def _check_platform(
+    model: torch.nn.Module,
+    dtype: str,
+    frozen: bool,
+    cpu_kvcache_gb: int | None,
+    facts: PlatformFacts,
+) -> int:
+    """Refuse a model the platform cannot serve; the CPU KV cache it gets (GiB; 0 on a GPU)."""
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or type(model).__name__
     check_servable(name, model_head_dim(config), dtype, facts)
@@ -222,6 +260,17 @@ def _build_backend(
             raise ValueError(problem)
         kv_gib = cpu_kvcache_gib(cpu_kvcache_gb, os.environ)
         check_cpu_kvcache_fits(kv_gib, REGISTRY.kv_cache_gib(), _total_memory_bytes())
+    return kv_gib
+
+
+def _engine_sleep_level(
+    model: torch.nn.Module,
+    sleep_level: int,
+    frozen: bool,
+    gpu_memory_utilization: float,
+    facts: PlatformFacts,
+) -> int:
+    """The sleep level the engine gets on this platform and in this process (logged if lower)."""
     level, why = platform_sleep_level(sleep_level, facts)
     if why:
         log.info("%s", why)
@@ -235,17 +284,18 @@ def _build_backend(
             "a frozen model" if frozen else "another engine in this process uses sleep mode",
             gpu_memory_utilization,
         )
-    source, checkpoint = _source(model, tokenizer)
-    kwargs: dict[str, Any] = dict(
-        model=source,
-        tokenizer=source,
-        dtype=dtype,
-        seed=seed,
-        gpu_memory_utilization=gpu_memory_utilization,
-        enable_sleep_mode=level > 0,
-        enable_prefix_caching=True,
-        enforce_eager=default_enforce_eager(enforce_eager, facts),
-    )
+    return level
+
+
+def _add_platform_kwargs(
+    kwargs: dict[str, Any],
+    model: torch.nn.Module,
+    max_model_len: int | None,
+    recompute_logprobs: bool,
+    facts: PlatformFacts,
+) -> None:
+    """Add the ``LLM`` arguments of the ranks, the context, the CPU and the log-probs mode."""
+    config = getattr(model, "config", None)
     dist = torch.distributed
     live = dist.is_available() and dist.is_initialized()
     backend_name = executor_backend(live, dist.get_world_size() if live else 1)
@@ -263,17 +313,3 @@ def _build_backend(
         kwargs.update(cpu_scheduler_kwargs(int(context)))
     if not recompute_logprobs:
         kwargs["logprobs_mode"] = "processed_logprobs"
-    try:
-        llm = _new_llm(kwargs, facts, kv_gib, frozen)
-    except BaseException:
-        if checkpoint is not None:
-            checkpoint.remove()
-        raise
-    backend = _Backend(
-        llm, model, level, frozen, build=kwargs, facts=facts, kv_gib=kv_gib, checkpoint=checkpoint
-    )
-    if level:
-        REGISTRY.claim_sleep(backend)
-    REGISTRY.add(model, key, backend)
-    backend.release()
-    return backend
