@@ -214,8 +214,13 @@ def shard_model(
     if frozen and cfg.reference == "replicate":
         return model
     if cfg.activation_checkpointing and not frozen:
-        if hasattr(model, "gradient_checkpointing_enable"):
-            enable: Any = model.gradient_checkpointing_enable  # an HF PreTrainedModel
+        # an HF PreTrainedModel: transformers 5.24 renamed gradient_checkpointing_enable
+        # (deprecated, a FutureWarning) to activation_checkpointing_enable
+        if hasattr(model, "activation_checkpointing_enable"):
+            enable: Any = model.activation_checkpointing_enable
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            enable = model.gradient_checkpointing_enable
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             raise ValueError(

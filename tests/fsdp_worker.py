@@ -283,6 +283,15 @@ def main() -> None:
         record_gathered(module, out)
     trainer.fit(module, datamodule=FixedData(args.kind))
     rank, _ = world()
+    # which policies recompute their activations (HF's flag, set by shard_model)
+    (out / f"checkpointing_{rank}.json").write_text(
+        json.dumps(
+            {
+                name: bool(getattr(model, "is_activation_checkpointing", False))
+                for name, model in policies(module).items()
+            }
+        )
+    )
     shards = {}
     full = {}
     for name, model in policies(module).items():

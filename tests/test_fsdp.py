@@ -186,6 +186,10 @@ def test_fsdp2_switches_keep_the_step_equal(extra, tmp_path):
     one = _run("grpo", tmp_path / "one", 1)
     two = _run("grpo", tmp_path / "two", 2, *extra)
     _check_equal("grpo", one, two, tol=2e-5)
+    on = extra == ["--activation-checkpointing"]
+    for rank in (0, 1):
+        flags = json.loads((two / f"checkpointing_{rank}.json").read_text())
+        assert flags and all(v is on for v in flags.values()), flags
 
 
 @pytest.mark.slow
