@@ -115,12 +115,14 @@ def fit_args(
     steps: int = 2,
     *extra: str,
     fsdp: bool = False,
+    method: str = "grpo",
 ) -> list[str]:
     """``salvage fit`` of GRPO on ``tiny`` (configs/grpo/math_tiny.yaml), DDP on CPU (``fsdp``:
     FSDP2, ``configs/trainer/fsdp.yaml`` in float32); without ``--trainer.num_nodes`` /
-    ``--trainer.devices`` when None (a launch script sets them)."""
+    ``--trainer.devices`` when None (a launch script sets them). ``method``: another entry
+    of ``METHODS`` (GRAFT's pair, VH-GPO on TextWorld-Express) instead of GRPO."""
     strategy = ["--trainer.strategy", "ddp"]
-    if fsdp:
+    if fsdp or method == "graft":  # co-training runs on FSDP2 (DDP refuses it: cotrain.py)
         strategy = ["--config", "configs/trainer/fsdp.yaml"]
         strategy += ["--model.init_args.fsdp.param_dtype", "float32"]
     shape: list[str] = []
@@ -130,8 +132,7 @@ def fit_args(
         shape += ["--trainer.devices", str(devices)]
     return [
         "fit",
-        "--config",
-        "configs/grpo/math_tiny.yaml",
+        *METHODS[method],
         *strategy,
         "--trainer.accelerator",
         "cpu",
@@ -140,12 +141,35 @@ def fit_args(
         str(steps),
         "--trainer.default_root_dir",
         str(out),
-        "--data.init_args.reward",
-        "tests.multinode.OddLength",
         "--trainer.callbacks+",
         "tests.multinode.Capture",
         *extra,
     ]
+
+
+METHODS: dict[str, list[str]] = {
+    "grpo": ["--config", "configs/grpo/math_tiny.yaml", "--data.init_args.reward", "tests.multinode.OddLength"],
+    # the pair of tokenizers, each model's groups scored by the sample's length: groups where
+    # one model fails and the other succeeds, so the exchange moves responses
+    "graft": ["--config", "configs/graft/math_tiny.yaml", "--data.init_args.reward", "tests.multinode.OddLength"],
+    # VH-GPO's study setting on twc (docs/results/vhgpo_twx): its warm-started student (an
+    # untrained one makes only invalid moves, so every group is alike and nothing trains),
+    # the oracle teacher, 4 games x G 4; each rank runs its own environment pool
+    "vhgpo": [
+        "--config", "configs/vhgpo/twx_tiny.yaml", "--trainer.callbacks", "[]",
+        "--model.init_args.policy", '{"name_or_path": "docs/results/vhgpo_twx/warmstart_policy"}',
+        "--model.init_args.lr", "1e-3",
+        "--data.init_args.tasks_per_step", "4", "--data.init_args.max_turns", "8",
+        "--data.init_args.max_prompt_tokens", "1024",
+        "--data.init_args.agent", '{"history_k": 2, "invalid_penalty": 0.0}',
+        "--data.init_args.engine", '{"temperature": 1.0, "max_new_tokens": 48}',
+        "--data.init_args.env.kwargs", '{"plan_max_nodes": 3000}',
+        "--data.init_args.env.train_tasks",
+        '{"game": "twc", "params": "numLocations=1,numItemsToPutAway=2", "num_tasks": 16}',
+        "--trainer.limit_val_batches", "0",
+    ],
+}  # fmt: skip
+"""The ``salvage fit`` arguments of each method's run (before the strategy and shape)."""
 
 
 def _base_env(capture: Path) -> dict[str, str]:
@@ -198,15 +222,17 @@ def launch(
     env: dict[str, str] | None = None,
     check: bool = True,
     fsdp: bool = False,
+    method: str = "grpo",
 ) -> list[str]:
     """Run ``salvage fit`` on ``nodes`` x ``devices`` processes started as ``style`` starts
     them (``torchrun``, ``env``, ``node``, ``slurm``; ``single``: one command on one node,
     Lightning starting the other local processes). ``capture``: the folder of ``out`` that
     ``Capture`` writes to (and the prefix of the logs); ``env``: more variables for every
-    process; ``check``: fail if a process fails; ``fsdp``: FSDP2 instead of DDP. Returns each started process's output."""
+    process; ``check``: fail if a process fails; ``fsdp``: FSDP2 instead of DDP; ``method``: see
+    ``fit_args``. Returns each started process's output."""
     env0 = dict(_base_env(out / capture), **(env or {}))
     port = str(free_port())
-    args = fit_args(out, nodes, devices, steps, *extra, fsdp=fsdp)
+    args = fit_args(out, nodes, devices, steps, *extra, fsdp=fsdp, method=method)
     cmds: list[tuple[list[str], dict[str, str]]] = []
     if style == "single":
         assert nodes == 1

@@ -750,3 +750,19 @@ def test_compare_pools_admission_over_seeds_of_graft_runs(tmp_path, gated_run):
     ]
     for d, (c, ca, i, ia) in _hand_count(rows).items():  # pooled: twice each count
         assert f"| graft | {d} | 2 | {_cell(2 * ca, 2 * c)} | {_cell(2 * ia, 2 * i)} |" in md
+
+
+def test_cotraining_on_plain_ddp_is_refused_before_any_model_is_built():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from salvage.errors import ConfigError
+    from salvage.modules.cotrain import _refuse_plain_ddp
+
+    with pytest.raises(ConfigError, match=r"trainer.strategy: ddp .* configs/trainer/fsdp.yaml"):
+        _refuse_plain_ddp(SimpleNamespace(strategy=DDPStrategy()))
+    # DDP told to find unused parameters, a single device, no trainer: let through
+    _refuse_plain_ddp(SimpleNamespace(strategy=DDPStrategy(find_unused_parameters=True)))
+    _refuse_plain_ddp(SimpleNamespace(strategy=object()))
+    _refuse_plain_ddp(None)

@@ -83,9 +83,13 @@ def _params(run: Path) -> dict[str, torch.Tensor]:
         from salvage.commands.export import export
 
         assert torch.load(ckpts[0] / "meta.pt", weights_only=True)["global_step"] == 2
-        hf = export(ckpts[0], tempfile.mkdtemp(prefix="hf_", dir=run))
-        sd = AutoModelForCausalLM.from_pretrained(hf).state_dict()
-        return {"policy." + k: v for k, v in sd.items()}
+        out: dict[str, torch.Tensor] = {}
+        # one policy, or GRAFT's two (exported one at a time: ``--policy a`` / ``b``)
+        for name in ("a", "b") if (run / "version_0" / "exchange.jsonl").is_file() else (None,):
+            hf = export(ckpts[0], tempfile.mkdtemp(prefix="hf_", dir=run), policy=name)
+            sd = AutoModelForCausalLM.from_pretrained(hf).state_dict()
+            out.update({f"{name or 'policy'}.{k}": v for k, v in sd.items()})
+        return out
     ckpt = torch.load(ckpts[0], map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 2
     return ckpt["state_dict"]
@@ -97,7 +101,11 @@ def _metrics(run: Path) -> list[dict[str, str]]:
     with open(files[0], newline="") as f:
         rows = list(csv.DictReader(f))
     assert [r["step"] for r in rows] == ["0", "1"]
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+    # timings differ between any two runs, also a model's own ("a/perf/...": GRAFT)
+    return [
+        {k: v for k, v in r.items() if not k.removeprefix("a/").removeprefix("b/").startswith(TIMING)}
+        for r in rows
+    ]  # fmt: skip
 
 
 def _tasks(run: Path, world: int) -> dict[tuple[int, int], list[str]]:
@@ -234,3 +242,65 @@ def test_torchrun_script_on_two_nodes(one_node, tmp_path):
     ]
     start(cmds, tmp_path)
     _check_like_one_node(tmp_path, one_node(2), "torchrun", 2, 1)
+
+
+# ------------------------------------------------------------- GRAFT and VH-GPO across nodes
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = {"graft": "exchange.jsonl", "vhgpo": "relays.jsonl"}
+"""The run's own record of each method (written by global rank 0 only)."""
+
+
+def _records(run: Path, name: str) -> list[dict]:
+    files = [f.relative_to(run).as_posix() for f in run.rglob(name)]
+    assert files == [f"version_0/{name}"], files
+    text = (run / "version_0" / name).read_text()
+    # wall times differ between any two runs
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.endswith(("_s", "time"))}
+        for line in text.splitlines()
+    ]
+
+
+@pytest.mark.parametrize("method", ["graft", "vhgpo"])
+def test_graft_and_vhgpo_on_two_nodes_equal_one_node(method, tmp_path):
+    """GRAFT (two models, the exchange) and VH-GPO (the handoff search, each rank's own
+    environment pool) on 2 nodes x 1 process (torchrun) end at the parameters of one node of
+    2, bit for bit; one run directory, one ``metrics.csv`` with the same values, and the
+    method's record (``exchange.jsonl`` / ``relays.jsonl``) written once, by global rank 0,
+    with the same entries as one node's."""
+    ref = tmp_path / "one"
+    launch("single", ref, 1, 2, method=method)
+    run = tmp_path / "two"
+    launch("torchrun", run, 2, 1, method=method)
+    for rank in (0, 1):
+        got = json.loads((run / "capture" / f"ranks_{rank}.json").read_text())
+        assert (got["global"], got["local"], got["node"], got["world"]) == (rank, 0, rank, 2)
+    assert sorted(p.name for p in run.glob("version_*")) == ["version_0"]
+    assert {p.name for p in (run / "version_0").iterdir()} == {
+        p.name for p in (ref / "version_0").iterdir()
+    }
+    assert _metrics(run) == _metrics(ref)
+    recs = _records(run, RECORDS[method])
+    assert recs and recs == _records(ref, RECORDS[method])
+    p, p_ref = _params(run), _params(ref)
+    assert set(p) == set(p_ref)
+    worst = max(float((p[k] - p_ref[k]).abs().max()) for k in p)
+    assert worst == 0.0, f"{method}: 2 nodes differ from one node by {worst:.3e}"
+    moved = max(float((p[k] - v).abs().max()) for k, v in _initial_params(method).items())
+    assert moved > 1e-4, f"{method}: the updates did not train anything"
+    print(
+        f"{method} 2 x 1: parameters equal one node; moved up to {moved:.2e}; {len(recs)} records"
+    )
+
+
+def _initial_params(method: str) -> dict[str, torch.Tensor]:
+    from salvage.models import PolicySpec, load_model
+
+    if method == "graft":
+        specs = {"a": PolicySpec("tiny", vocab_size=768, seed=0),
+                 "b": PolicySpec("tiny", vocab_size=384, seed=1)}  # fmt: skip
+    else:
+        specs = {"policy": PolicySpec(str(ROOT / "docs/results/vhgpo_twx/warmstart_policy"))}
+    return {
+        f"{name}.{k}": v for name, s in specs.items() for k, v in load_model(s).state_dict().items()
+    }

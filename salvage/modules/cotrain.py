@@ -25,6 +25,23 @@ NAMES = tuple("abcdefghijklmnopqrstuvwxyz")
 """Model names in order: GRAFT's two are ``a`` and ``b``; further peers ``c``, ``d``, ..."""
 
 
+def _refuse_plain_ddp(trainer: Any) -> None:
+    """Co-training on DDP without ``find_unused_parameters``: each model's backward leaves the
+    other's parameters unused, which plain DDP refuses at the first backward. Refused here,
+    before any model is built, naming the switch (measured: 2 processes, gloo)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = getattr(trainer, "strategy", None)
+    if isinstance(strategy, DDPStrategy) and not strategy._ddp_kwargs.get("find_unused_parameters"):
+        from salvage.errors import ConfigError
+
+        raise ConfigError(
+            "trainer.strategy: ddp cannot train co-trained models (GRAFT, peers): each model's "
+            "backward leaves the other's parameters unused, which DDP refuses; use FSDP2 "
+            "(--config configs/trainer/fsdp.yaml, what the GRAFT configs use)"
+        )
+
+
 class CoTrainModule(StepLog):
     """Policies ``a``, ``b`` (and further peers) trained side by side, one optimiser each."""
 
@@ -61,6 +78,7 @@ class CoTrainModule(StepLog):
         return self.a.policy
 
     def configure_model(self) -> None:
+        _refuse_plain_ddp(self._trainer)
         mesh = self.a.mesh_of(self.device_mesh)
         for child in self.learners():  # every policy sharded on the strategy's one mesh
             child.build(mesh)
