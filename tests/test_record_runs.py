@@ -25,7 +25,7 @@ def _module():
 
 
 def _study(tmp: Path) -> Path:
-    study = tmp / "work" / "runs" / "studies" / "s"
+    study = tmp / "checkout" / "runs" / "studies" / "s"
     runs = ["grpo/seed0", "vhgpo/seed0", "grpo/seed1"]
     study.mkdir(parents=True)
     (study / "study.json").write_text(json.dumps({"runs": runs}))
@@ -37,7 +37,7 @@ def _study(tmp: Path) -> Path:
             "salvage",
             "fit",
             "--trainer.default_root_dir",
-            f"{tmp}/work/runs/studies/s/grpo/seed0",
+            str(tmp / "checkout" / "runs" / "studies" / "s" / "grpo" / "seed0"),
         ],
         "returncode": 0,
     }
@@ -46,7 +46,7 @@ def _study(tmp: Path) -> Path:
         v.mkdir(parents=True)
         (study / rel / "done.json").write_text(json.dumps(done))
         (v / "metrics.csv").write_text("step,val/success\n19,0.25\n39,0.5\n")
-        (v / "config.yaml").write_text(f"root: {tmp}/work/runs\n")
+        (v / "config.yaml").write_text(f"root: {tmp / 'checkout' / 'runs'}\n")
         (v / "relays.jsonl").write_text('{"retained": true}\n')
         (v / "last.ckpt").write_bytes(b"not copied")
     stopped = study / "vhgpo/seed0/version_0/checkpoints"
@@ -59,7 +59,7 @@ def test_record_then_restore_gives_back_the_finished_runs(tmp_path):
     rr = _module()
     study = _study(tmp_path)
     out = tmp_path / "record"
-    status = rr.record(study, out, [str(tmp_path / "work")])
+    status = rr.record(study, out, [str(tmp_path / "checkout")])
     assert status == {
         "done": ["grpo/seed0"],
         "stopped": ["vhgpo/seed0"],
