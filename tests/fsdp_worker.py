@@ -1,6 +1,6 @@
 """One training step of a salvage module on a fixed batch, single-process or FSDP2 (run by test_fsdp.py).
 
-    python tests/fsdp_worker.py {grpo|vhgpo|graft} OUT_DIR --devices {1|2} [--strategy ddp] [--checkpoint]
+    python tests/fsdp_worker.py {grpo|vhgpo|graft} OUT_DIR --devices {1|2} [--strategy ddp|ddp-unused] [--checkpoint]
         [--logprob-chunk N] [--every-rank-loads]
 
 ``--devices 2`` trains under Lightning's ``ModelParallelStrategy`` (FSDP2, gloo on CPU):
@@ -225,7 +225,8 @@ def main() -> None:
     ap.add_argument("kind", choices=["grpo", "vhgpo", "graft"])
     ap.add_argument("out")
     ap.add_argument("--devices", type=int, default=1)
-    ap.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
+    # ddp-unused: DDP with find_unused_parameters (what co-training needs on DDP)
+    ap.add_argument("--strategy", choices=["fsdp", "ddp", "ddp-unused"], default="fsdp")
     ap.add_argument("--checkpoint", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--reference", default="shard", choices=["shard", "offload", "replicate"])
@@ -243,6 +244,10 @@ def main() -> None:
         kw["strategy"] = ModelParallelStrategy(
             data_parallel_size=args.devices, tensor_parallel_size=1
         )
+    elif args.devices > 1 and args.strategy == "ddp-unused":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        kw["strategy"] = DDPStrategy(find_unused_parameters=True)
     elif args.devices > 1:
         kw["strategy"] = "ddp"
     callbacks = []

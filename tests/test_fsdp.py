@@ -200,6 +200,22 @@ def test_ddp_step_equals_single_process_step(tmp_path):
     assert max(float((p1[k] - p2[k]).abs().max()) for k in p1) < 2e-5
 
 
+@pytest.mark.slow
+def test_graft_on_ddp_with_find_unused_parameters_equals_single_process_step(tmp_path):
+    """Co-training on DDP: plain DDP is refused (``cotrain._refuse_plain_ddp``: each model's
+    backward leaves the other's parameters unused); with ``find_unused_parameters`` it trains,
+    and the 2-rank step ends at the one-process step (up to reduction order, as FSDP2)."""
+    one = _run("graft", tmp_path / "one", 1)
+    two = _run("graft", tmp_path / "two", 2, "--strategy", "ddp-unused")
+    p1, p2, init = torch.load(one / "params.pt"), torch.load(two / "params.pt"), _initial("graft")
+    assert set(p1) == set(p2) == set(init)
+    for name in ("a", "b"):  # both models trained
+        moved = max(float((p1[k] - init[k]).abs().max()) for k in p1 if k.startswith(name + "."))
+        assert moved > 1e-4, f"model {name} did not train"
+    worst = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    assert worst < STEP_TOL["graft"], f"DDP step differs from one process by {worst:.2e}"
+
+
 def test_fsdp2_distributed_checkpoint_exports_to_hf(tmp_path):
     """FSDP2 on 2 ranks writes a distributed checkpoint; ``salvage export`` merges it into an HF dir."""
     from transformers import AutoModelForCausalLM

@@ -28,7 +28,8 @@ NAMES = tuple("abcdefghijklmnopqrstuvwxyz")
 def _refuse_plain_ddp(trainer: Any) -> None:
     """Co-training on DDP without ``find_unused_parameters``: each model's backward leaves the
     other's parameters unused, which plain DDP refuses at the first backward. Refused here,
-    before any model is built, naming the switch (measured: 2 processes, gloo)."""
+    before any model is built, naming the switch (measured: 2 processes, gloo). With
+    ``find_unused_parameters`` DDP trains it, to the one-process step (tests/test_fsdp.py)."""
     from lightning.pytorch.strategies import DDPStrategy
 
     strategy = getattr(trainer, "strategy", None)
