@@ -760,9 +760,16 @@ def test_cotraining_on_plain_ddp_is_refused_before_any_model_is_built():
     from salvage.errors import ConfigError
     from salvage.modules.cotrain import _refuse_plain_ddp
 
-    with pytest.raises(ConfigError, match=r"trainer.strategy: ddp .* configs/trainer/fsdp.yaml"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.strategy: ddp .* configs/trainer/fsdp.yaml.* ddp_find_unused_parameters_true",
+    ):
         _refuse_plain_ddp(SimpleNamespace(strategy=DDPStrategy()))
-    # DDP told to find unused parameters, a single device, no trainer: let through
+    # DDP told to find unused parameters (the registry's name too), a single device, no trainer
     _refuse_plain_ddp(SimpleNamespace(strategy=DDPStrategy(find_unused_parameters=True)))
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    named = StrategyRegistry.get("ddp_find_unused_parameters_true")
+    _refuse_plain_ddp(SimpleNamespace(strategy=named))
     _refuse_plain_ddp(SimpleNamespace(strategy=object()))
     _refuse_plain_ddp(None)

@@ -39,7 +39,8 @@ def _refuse_plain_ddp(trainer: Any) -> None:
         raise ConfigError(
             "trainer.strategy: ddp cannot train co-trained models (GRAFT, peers): each model's "
             "backward leaves the other's parameters unused, which DDP refuses; use FSDP2 "
-            "(--config configs/trainer/fsdp.yaml, what the GRAFT configs use)"
+            "(--config configs/trainer/fsdp.yaml, what the GRAFT configs use) or "
+            "--trainer.strategy ddp_find_unused_parameters_true"
         )
 
 
