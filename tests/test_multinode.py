@@ -294,20 +294,28 @@ def _records(run: Path, name: str) -> list[dict]:
     ]
 
 
+@pytest.mark.parametrize("devices", [1, 2], ids=["2x1", "2x2"])
 @pytest.mark.parametrize("method", ["graft", "vhgpo"])
-def test_graft_and_vhgpo_on_two_nodes_equal_one_node(method, tmp_path):
-    """GRAFT (two models, the exchange) and VH-GPO (the handoff search, each rank's own
-    environment pool) on 2 nodes x 1 process (torchrun) end at the parameters of one node of
-    2, bit for bit; one run directory, one ``metrics.csv`` with the same values, and the
-    method's record (``exchange.jsonl`` / ``relays.jsonl``) written once, by global rank 0,
-    with the same entries as one node's."""
+def test_graft_and_vhgpo_on_two_nodes_equal_one_node(method, devices, tmp_path):
+    """GRAFT (two models, the exchange; FSDP2) and VH-GPO (the handoff search, each rank's own
+    environment pool; DDP) on 2 nodes x ``devices`` processes (torchrun) end at the parameters
+    of one node of the same world size, bit for bit; one run directory, one ``metrics.csv``
+    with the same values, and the method's record (``exchange.jsonl`` / ``relays.jsonl``)
+    written once, by global rank 0, with the same entries as one node's."""
+    world = 2 * devices
     ref = tmp_path / "one"
-    launch("single", ref, 1, 2, method=method)
+    launch("single", ref, 1, world, method=method)
     run = tmp_path / "two"
-    launch("torchrun", run, 2, 1, method=method)
-    for rank in (0, 1):
+    launch("torchrun", run, 2, devices, method=method)
+    for rank in range(world):
         got = json.loads((run / "capture" / f"ranks_{rank}.json").read_text())
-        assert (got["global"], got["local"], got["node"], got["world"]) == (rank, 0, rank, 2)
+        node, local = divmod(rank, devices)
+        assert (got["global"], got["local"], got["node"], got["world"]) == (
+            rank,
+            local,
+            node,
+            world,
+        )
     assert sorted(p.name for p in run.glob("version_*")) == ["version_0"]
     assert {p.name for p in (run / "version_0").iterdir()} == {
         p.name for p in (ref / "version_0").iterdir()
@@ -322,7 +330,8 @@ def test_graft_and_vhgpo_on_two_nodes_equal_one_node(method, tmp_path):
     moved = max(float((p[k] - v).abs().max()) for k, v in _initial_params(method).items())
     assert moved > 1e-4, f"{method}: the updates did not train anything"
     print(
-        f"{method} 2 x 1: parameters equal one node; moved up to {moved:.2e}; {len(recs)} records"
+        f"{method} 2 x {devices}: parameters equal one node; moved up to {moved:.2e}; "
+        f"{len(recs)} records"
     )
 
 
