@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install test test-slow test-full demo lint clean install-vllm test-vllm
+.PHONY: install test test-slow test-ray-cluster test-full demo lint clean install-vllm test-vllm
 
 install: $(STAMP)
 
@@ -26,11 +26,16 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
-# the slow tests (multi-process, multi-node, study runs, learning checks); CI runs them too
+# the slow tests (multi-process, multi-node, study runs, learning checks); CI runs only the
+# Ray cluster ones (test-ray-cluster): all of them take longer than CI's time
 test-slow: install
-	$(BIN)/python -m pytest -q -m 'slow and not gpu and not vllm'
+	$(BIN)/python -m pytest -q -m 'slow and not gpu and not vllm' --durations=30
+
+# a real Ray cluster on localhost (ray start: head + worker raylets); needs the ray extra
+test-ray-cluster: install
+	$(BIN)/python -m pytest -q -m ray_cluster tests/test_ray_cluster.py --durations=10
 
 test-full: install
 	$(BIN)/python -m pytest -q -m ''

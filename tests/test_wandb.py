@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -356,12 +357,14 @@ def test_a_wandb_failure_is_one_warning_and_the_run_goes_on_in_csv(
 
 # ---- wiring and helpers (no training) -------------------------------------------------------
 def test_lightnings_wandb_logger_in_a_config_runs_as_salvages_beside_a_csv_logger(
-    wandb_env, tmp_path
+    wandb_env, tmp_path, monkeypatch
 ):
     from salvage.callbacks.dashboard import WandbDashboard
     from salvage.commands.fit import SalvageCLI
     from salvage.loggers import SafeCSVLogger, WandbLogger
 
+    # as `salvage` runs it: no command-line arguments besides ``args`` (pytest's would be)
+    monkeypatch.setattr(sys, "argv", ["salvage"])
     run = tmp_path / "RUN"
     cli = SalvageCLI(
         args=[
