@@ -58,6 +58,9 @@ from salvage.types import Group, RelayData, RolloutBatch, SeqRatio, SeqTarget, T
 
 REL = 1e-6
 ABS = 1e-8
+# the logged float32 losses: one reduction's rounding differs between CPUs (measured on a
+# second machine of this kind: up to 2.2e-6 relative, 1.1e-8 absolute on a loss near 0)
+METRIC_REL, METRIC_ABS = 1e-5, 1e-7
 ENTRIES = (  # (parameter, index): entries the update moves
     ("model.layers.0.self_attn.q_proj.weight", (0, 0)),
     ("model.layers.1.mlp.down_proj.weight", (1, 2)),
@@ -703,7 +706,15 @@ PINNED: dict[str, dict[str, float]] = {
 def _check(got: dict[str, float], want: dict[str, float]) -> None:
     assert sorted(got) == sorted(want)
     assert all(math.isfinite(v) for v in got.values())
-    bad = {k: (got[k], want[k]) for k in want if got[k] != pytest.approx(want[k], rel=REL, abs=ABS)}
+
+    def tol(k: str) -> tuple[float, float]:
+        return (METRIC_REL, METRIC_ABS) if k.startswith("metric/") else (REL, ABS)
+
+    bad = {
+        k: (got[k], want[k])
+        for k in want
+        if got[k] != pytest.approx(want[k], rel=tol(k)[0], abs=tol(k)[1])
+    }
     assert not bad, bad
 
 
