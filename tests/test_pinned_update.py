@@ -706,15 +706,11 @@ PINNED: dict[str, dict[str, float]] = {
 def _check(got: dict[str, float], want: dict[str, float]) -> None:
     assert sorted(got) == sorted(want)
     assert all(math.isfinite(v) for v in got.values())
-
-    def tol(k: str) -> tuple[float, float]:
-        return (METRIC_REL, METRIC_ABS) if k.startswith("metric/") else (REL, ABS)
-
-    bad = {
-        k: (got[k], want[k])
-        for k in want
-        if got[k] != pytest.approx(want[k], rel=tol(k)[0], abs=tol(k)[1])
-    }
+    bad = {}
+    for k in want:
+        rel, abs_ = (METRIC_REL, METRIC_ABS) if k.startswith("metric/") else (REL, ABS)
+        if got[k] != pytest.approx(want[k], rel=rel, abs=abs_):
+            bad[k] = (got[k], want[k])
     assert not bad, bad
 
 
