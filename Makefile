@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 # the slow tests (multi-process, multi-node, study runs, learning checks); CI runs only the
 # Ray cluster ones (test-ray-cluster): all of them take longer than CI's time

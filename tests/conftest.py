@@ -7,6 +7,11 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# under pytest-xdist (`make test` runs 2 workers on 2 cores) each worker, and every process
+# it starts, takes one thread: two 2-thread workers on 2 cores slow each other many times over
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if _XDIST:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["WANDB_MODE"] = "offline"
@@ -17,7 +22,7 @@ os.environ.setdefault("WANDB_CACHE_DIR", _wb)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(1 if _XDIST else min(2, os.cpu_count() or 1))
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -28,6 +33,15 @@ def shared_data(rel: str) -> Path:
     if not p.exists():
         pytest.skip(f"shared data {p} is absent (tests needing it skip)")
     return p
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch):
+    """The in-process CLIs (``SalvageCLI(args=...)``) see no pytest arguments in ``sys.argv``
+    (LightningCLI warns when it is given both)."""
+    import sys
+
+    monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,8 @@ class NaNReward(Reward):
         return RewardResult(math.nan, False)
 
 
+# NaN rewards are logged as NaN (honest), which torchmetrics' mean warns about
+@pytest.mark.filterwarnings("ignore:Encountered `nan` values in tensor")
 def test_non_finite_updates_are_skipped_then_the_run_stops():
     module = GRPOModule(
         policy=PolicySpec("tiny"), lr=1e-3, num_minibatches=2, max_nonfinite_in_a_row=3

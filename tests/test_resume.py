@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_fit import DigitFraction
@@ -19,6 +20,14 @@ from salvage.modules.grpo import GRPOModule
 from salvage.modules.vhgpo import VHGPOModule
 from salvage.rollout.config import EngineConfig
 from salvage.tasks.math import MathData
+
+# Lightning's generic resume notices (the resumed Trainer runs without the checkpoint
+# callback; a mid-epoch resume of a plain dataloader): what they warn of is what these
+# tests check, that the resumed run equals the straight one
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before"),
+]
 
 
 class StopAt(L.Callback):
