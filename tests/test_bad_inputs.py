@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forked_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 MATH_TINY = str(ROOT / "configs" / "grpo" / "math_tiny.yaml")
 GRAFT_TINY_A = str(ROOT / "configs" / "grpo" / "graft_tiny_a.yaml")
@@ -49,14 +51,9 @@ def _env() -> dict[str, str]:
 
 
 def _cli(args: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "salvage", *args],
-        cwd=cwd,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``python -m salvage ARGS``, a process of its own forked after the imports
+    (``tests/forked_cli.py``: ~8 s of imports a command saved)."""
+    return forked_cli.run(args, cwd, _env(), timeout=timeout)
 
 
 # ---------------------------------------------------------------- bad inputs, built in t

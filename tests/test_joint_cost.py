@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from salvage.commands.joint_cost import joint_cost, run_checkpoint_cost
 from salvage.core.cost import SelectedCheckpoint, best_checkpoint_cost, separate_runs_cost
+from tests import forked_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,14 +75,8 @@ def _cli(args, tmp_path):
         COLUMNS="200",
         PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "salvage", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # a process of its own, forked after the imports (tests/forked_cli.py)
+    proc = forked_cli.run(args, tmp_path, env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
