@@ -282,9 +282,15 @@ def test_graft_exchange_teaches_the_receiver_what_only_the_peer_solves(tmp_path)
     print("admitted:", [round(v, 3) for v in admitted])
     assert len(b_on) == len(b_off) == GRAFT_UPDATES
     # the regime: the peer solves every prompt sometimes (never all n, or nothing transfers),
-    # and the gate admits (its correct responses) at every update
+    # and the gate admits (its correct responses) at every update with a transfer: at least
+    # every update where the receiver solved nothing (an update where the receiver solved
+    # every prompt at least once has no transfer, hence no admitted fraction: seen once, with
+    # one thread a process, at update 12 of 16)
     assert 0.4 < sum(a_on) / len(a_on) < 0.95, a_on
-    assert len(admitted) == GRAFT_UPDATES and min(admitted) > 0.3, admitted
+    adm = dict(on.get("graft/admitted_frac", []))
+    none_solved = {s for s, v in on["b/rollout/success_rate"] if v == 0}
+    assert none_solved <= set(adm) and len(adm) >= GRAFT_UPDATES // 2, (none_solved, adm)
+    assert min(admitted) > 0.3, admitted
     # the receiver starts unable, and learns only through the exchange
     assert b_on[0] <= RECEIVER_START_BELOW and b_off[0] <= RECEIVER_START_BELOW
     late = b_on[GRAFT_UPDATES // 2 :]
