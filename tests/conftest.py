@@ -44,6 +44,24 @@ def _no_pytest_argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", sys.argv[:1])
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """No test hands a default process group to the next one in its process.
+
+    An in-process fit under a distributed strategy (test_gpu_configs shrinks the FSDP2 and
+    GRAFT GPU configs to one CPU process) initialises torch.distributed's default group and
+    Lightning leaves it up; a later test in the same xdist worker that initialises its own
+    then fails with "trying to initialize the default process group twice"."""
+    yield
+    import sys
+
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from salvage.models import PolicySpec, load_policy
