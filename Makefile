@@ -28,10 +28,11 @@ $(STAMP): pyproject.toml Makefile
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
-# the slow tests (multi-process, multi-node, study runs, learning checks); CI runs only the
-# Ray cluster ones (test-ray-cluster): all of them take longer than CI's time
+# the slow tests (multi-process, multi-node, study runs, learning checks), the Ray cluster
+# ones apart (test-ray-cluster); CI runs both after `make test`. Two workers, one thread each;
+# the multi-node runs that share one-node references stay on one worker (xdist_group)
 test-slow: install
-	$(BIN)/python -m pytest -q -m 'slow and not gpu and not vllm' --durations=30
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'slow and not gpu and not vllm and not ray_cluster' --durations=30
 
 # a real Ray cluster on localhost (ray start: head + worker raylets); needs the ray extra
 test-ray-cluster: install

@@ -149,6 +149,9 @@ def test_runs_never_cross_and_resume_is_checked(tmp_path, capsys):
         pytest.param(
             VHGPO_TINY,
             [
+                # no warm start (OracleSFT's 120 steps): the checkpoint path is what is checked
+                "--trainer.callbacks",
+                "[]",
                 "--data.init_args.tasks_per_step",
                 "2",
                 "--data.init_args.env.val_tasks.num_tasks",
