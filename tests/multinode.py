@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import lightning as L
 
 from salvage.tasks.math import Reward, RewardResult
 from salvage.types import RolloutBatch
+from tests.ports import master_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURE_VAR = "SALVAGE_TEST_CAPTURE"
@@ -103,9 +103,8 @@ class Capture(L.Callback):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A rendezvous port no other worker of this test session hands out (tests/ports.py)."""
+    return master_port()
 
 
 def fit_args(
@@ -236,7 +235,8 @@ def launch(
     cmds: list[tuple[list[str], dict[str, str]]] = []
     if style == "single":
         assert nodes == 1
-        cmds.append(([sys.executable, "-m", "salvage", *args], env0))
+        # Lightning starts the other local processes; the port is ours, not one it picks
+        cmds.append(([sys.executable, "-m", "salvage", *args], dict(env0, MASTER_PORT=port)))
     elif style == "node":
         for node in range(nodes):
             env = dict(env0, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))

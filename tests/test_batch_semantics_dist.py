@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import master_port
+
 WORKER = Path(__file__).with_name("dist_worker.py")
 ROOT = WORKER.parents[1]
 
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 def _run(kind: str, out: Path, devices: int, *extra: str) -> Path:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), SALVAGE_PROGRESS="0")
+    env["MASTER_PORT"] = str(master_port())
     proc = subprocess.run(
         [sys.executable, str(WORKER), kind, str(out), "--devices", str(devices), *extra],
         cwd=ROOT,

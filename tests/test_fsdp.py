@@ -21,6 +21,7 @@ import torch
 
 from salvage.core.grpo import aggregation_denominator, aggregation_weights
 from salvage.distributed import FSDPConfig, all_reduce, gathered, global_scale, lockstep, world
+from tests.ports import master_port
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 ROOT = WORKER.parents[1]
@@ -79,7 +80,9 @@ def test_fsdp_config_rejects_bad_values():
 
 # ----------------------------------------------------------------------------- 2 processes
 def _run(kind: str, out: Path, devices: int, *extra: str) -> Path:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT), MASTER_PORT=str(master_port())
+    )
     proc = subprocess.run(
         [sys.executable, str(WORKER), kind, str(out), "--devices", str(devices), *extra],
         cwd=ROOT,
@@ -258,7 +261,7 @@ def test_cli_fit_under_fsdp2_on_two_processes_and_resume(tmp_path):
         proc = subprocess.run(
             base + ["--trainer.max_steps", str(steps), *extra],
             cwd=ROOT,
-            env=env,
+            env=dict(env, MASTER_PORT=str(master_port())),
             capture_output=True,
             text=True,
             timeout=600,
@@ -276,13 +279,9 @@ def test_fsdp2_build_reads_the_weights_on_rank_0_only(tmp_path):
     the policy and the reference on the meta device and receives its shards from rank 0), and
     both ranks end with the parameters, fp32 rotary buffers, trainable flags and tied LM head
     of a model loaded normally."""
-    import socket
-
     from salvage.models import load_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = master_port()
     worker = WORKER.with_name("fsdp_init_worker.py")
     procs = []
     for rank in (0, 1):

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ports import master_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = """\
@@ -54,6 +56,7 @@ def _fit(root: Path, dump: Path, steps: int, *extra: str) -> str:
         OMP_NUM_THREADS="1",
         SALVAGE_PROGRESS="0",
         PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        MASTER_PORT=str(master_port()),
     )
     cmd = [
         sys.executable,
