@@ -62,6 +62,25 @@ def _no_process_group_left():
             dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """No test hands its environment variables to the next one in its process.
+
+    Lightning's launchers write the rendezvous into ``os.environ`` (``MASTER_ADDR``,
+    ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``) and ``seed_everything`` its seed, and
+    leave them: after test_gpu_configs' in-process fits, a 2-process FSDP2 fit started by a
+    later test in the same xdist worker inherited ``LOCAL_RANK=0``, took itself for an
+    already launched rank and waited for a second rank that nobody started (600 s, then a
+    timeout). Variables set by fixtures of a wider scope are set before this one and kept."""
+    before = dict(os.environ)
+    yield
+    for k in [k for k in os.environ if k not in before]:
+        del os.environ[k]
+    for k, v in before.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from salvage.models import PolicySpec, load_policy
