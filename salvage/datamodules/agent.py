@@ -28,6 +28,7 @@ from salvage.core.gigpo import turn_rewards as gigpo_turn_rewards
 from salvage.core.heldout import text_digest
 from salvage.core.seeds import EVAL, TRAIN, step_seed
 from salvage.datamodules.base import RolloutDataModule
+from salvage.datamodules.digests import cached_digests
 from salvage.envs import env_class
 from salvage.envs.pool import EnvPool
 from salvage.envs.ray_pool import resources_problem
@@ -268,17 +269,29 @@ class AgentDataModule(RolloutDataModule):
 
     def task_digests(self, split: str) -> dict[str, str]:
         """Digest of each task's initial observation and goal (one local instance of the
-        environment resets each task once; contents are cached per task id)."""
+        environment resets each task once; digests are cached per task, in memory and on
+        disk where the environment allows: ``salvage.datamodules.digests``)."""
         tasks = self.tasks[split]
         keys = [json.dumps(t, sort_keys=True, default=str) for t in tasks]
         todo = [(k, t) for k, t in zip(keys, tasks, strict=True) if k not in self._digests]
         if todo:
-            env = env_class(self.env_spec.name)(**self.env_spec.kwargs)
-            try:
-                for k, t in todo:
-                    self._digests[k] = text_digest(env.task_content(t))
-            finally:
-                env.close()
+            cls = env_class(self.env_spec.name)
+
+            def compute(missing: list[dict[str, Any]]) -> list[str]:
+                env = cls(**self.env_spec.kwargs)
+                try:
+                    return [text_digest(env.task_content(t)) for t in missing]
+                finally:
+                    env.close()
+
+            got = cached_digests(
+                self.env_spec.name,
+                cls.content_identity(),
+                dict(self.env_spec.kwargs),
+                [t for _, t in todo],
+                compute,
+            )
+            self._digests.update(zip([k for k, _ in todo], got, strict=True))
         return {t["id"]: self._digests[k] for k, t in zip(keys, tasks, strict=True)}
 
     def setup(self, stage: str) -> None:

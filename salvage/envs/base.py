@@ -65,6 +65,13 @@ class ReplayEnv:
         (e.g. WebShop's instruction); None: ``task_content`` resets an instance."""
         return None
 
+    @classmethod
+    def content_identity(cls) -> str | None:
+        """What fixes ``task_content`` besides the task and the constructor arguments (the
+        engine's version, the content function's), for a cache of task digests on disk
+        (``salvage.datamodules.digests``); None: this environment's digests are not cached."""
+        return None
+
     def task_content(self, task: dict[str, Any]) -> str:
         """The held-out check's content of a task: its initial observation and goal."""
         text = self.task_text(task)

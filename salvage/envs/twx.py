@@ -143,6 +143,19 @@ class TWXEnv(ReplayEnv):
         self._task_desc = raw.get("taskDescription", "")
         return obs, self._info_from(raw)
 
+    CONTENT_VERSION: ClassVar[int] = 1
+    """Bumped whenever ``task_content`` changes what it shows (cached digests then miss)."""
+
+    @classmethod
+    def content_identity(cls) -> str | None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            engine = version("textworld-express")
+        except PackageNotFoundError:  # an engine without its metadata: nothing to key on
+            return None
+        return f"twx-content-v{cls.CONTENT_VERSION}/textworld-express-{engine}"
+
     def task_content(self, task: dict[str, Any]) -> str:
         """The start observation, the goal, and what one action shows from the start and two
         from it along navigation moves (``move`` / ``open``): games with one start room but
