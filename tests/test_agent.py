@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from salvage.core.agent import AgentFormat, parse_action, render_prompt, traject
 from salvage.envs.pool import EnvPool
 from salvage.rollout.agent import AgentRunner, LMPolicy, OraclePolicy, Start
 from salvage.rollout.hf import HFEngine
+from tests import forked_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,7 +140,7 @@ def _env():
 def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
     _needs_twx()
     run = tmp_path / "RUN"
-    base = [sys.executable, "-m", "salvage"]
+    base: list[str] = []  # python -m salvage, forked after its imports (tests/forked_cli.py)
     cfg = [
         "--config",
         str(ROOT / "configs/agent/twx_grpo.yaml"),
@@ -150,13 +149,8 @@ def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
         "--trainer.enable_progress_bar",
         "false",
     ]
-    proc = subprocess.run(
-        [*base, "fit", *cfg, "--trainer.max_steps", "2"],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = forked_cli.run(
+        [*base, "fit", *cfg, "--trainer.max_steps", "2"], tmp_path, _env(), timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(next(run.glob("version_0/metrics.csv")).open()))
@@ -168,13 +162,8 @@ def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
     trunc = float(steps[0]["rollout/truncated_frac"])
     assert 0 < trunc <= float(steps[0]["rollout/invalid_turn_frac"])
     # the test also samples 2 episodes per task at T 1 beside the greedy one
-    proc = subprocess.run(
-        [*base, "test", *cfg, "--data.init_args.val_samples", "2"],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = forked_cli.run(
+        [*base, "test", *cfg, "--data.init_args.val_samples", "2"], tmp_path, _env(), timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval/success/coin" in proc.stdout and "eval/success " in proc.stdout.replace("│", " ")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from salvage.callbacks.repeats import repeat_rows, repeats_argv
 from salvage.core.evaluation import mean_std, repeat_metrics, repeat_stream, split_repeats
 from salvage.tasks.math import Reward, RewardResult
+from tests import forked_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,11 +95,9 @@ def _test_run(tmp_path, config, extra, name):
         "[{source: 'reasoning_gym:basic_arithmetic', size: 3, name: arith},"
         " {source: 'reasoning_gym:basic_arithmetic', size: 2, seed: 1, name: arith2}]"
     )
-    proc = subprocess.run(
+    # a process forked after the CLI's imports (tests/forked_cli.py)
+    proc = forked_cli.run(
         [
-            sys.executable,
-            "-m",
-            "salvage",
             "test",
             "--config",
             str(ROOT / config),
@@ -118,10 +115,8 @@ def _test_run(tmp_path, config, extra, name):
             "test_eval_repeats.OddLength",
             *extra,
         ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
+        tmp_path,
+        env,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -153,6 +148,8 @@ def test_salvage_test_repeats_reports_mean_and_std(tmp_path):
     assert "eval/aggregate_std" not in single and "eval/repeat_0/aggregate" not in single
 
 
+# slow: the default suite keeps one model's repeats (the same code path per model)
+@pytest.mark.slow
 def test_salvage_test_repeats_graft_both_models(tmp_path):
     m, out = _test_run(tmp_path, "configs/graft/math_tiny.yaml", ["--repeats", "2"], "graft")
     for name in ("a", "b"):

@@ -28,6 +28,7 @@ from salvage.modules.graft import GRAFTModule
 from salvage.modules.peers import PeerGroupModule
 from salvage.rollout.config import EngineConfig
 from salvage.tasks.math import MathData
+from tests import forked_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -292,9 +293,9 @@ def test_cli_three_peers_fit_report_matrix_and_export(tmp_path):
     run = tmp_path / "RUN"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false")
     salvage = [sys.executable, "-m", "salvage"]
-    proc = subprocess.run(
+    # the fit and the export: processes forked after the CLI's imports (tests/forked_cli.py)
+    proc = forked_cli.run(
         [
-            *salvage,
             "fit",
             "--config",
             str(ROOT / "configs/graft/peers3_tiny.yaml"),
@@ -307,10 +308,8 @@ def test_cli_three_peers_fit_report_matrix_and_export(tmp_path):
             "--data.init_args.engine.max_new_tokens",
             "8",
         ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
+        tmp_path,
+        env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     header = (run / "version_0/metrics.csv").read_text().splitlines()[0].split(",")
@@ -324,13 +323,7 @@ def test_cli_three_peers_fit_report_matrix_and_export(tmp_path):
     assert "transfer matrix over 1 updates" in report
     assert "| from \\ to | a | b | c |" in report and "| c | " in report
     out = tmp_path / "c_hf"
-    proc = subprocess.run(
-        [*salvage, "export", str(run), str(out), "--policy", "c"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    proc = forked_cli.run(["export", str(run), str(out), "--policy", "c"], tmp_path, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] == 512  # model c's tokenizer and head, not a's (768) or b's (384)
