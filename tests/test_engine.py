@@ -622,6 +622,10 @@ def _ckpts(root):
     return list(root.glob("version_*/checkpoints/last.ckpt"))
 
 
+# the fault fits but the hung call's are slow tests (a fresh `salvage fit` each, 20-40 s on a
+# make-test worker); the default suite keeps the hung call's fit and the in-process retries
+# (test_engine_error_is_retried_on_a_rebuilt_engine_only, test_generate_past_its_time_limit_...)
+@pytest.mark.slow
 def test_fit_recovers_from_an_engine_error_on_a_rebuilt_engine(tmp_path):
     code, err, _ = _fault_fit(tmp_path, "raise-once", 600)
     assert code == 0, err[-3000:]
@@ -635,6 +639,7 @@ def test_fit_recovers_from_a_hung_generate_call(tmp_path):
     assert err.count("REBUILD") == 1 and "generate_timeout_s=3" in err
 
 
+@pytest.mark.slow
 def test_fit_fails_with_a_clear_error_when_the_rebuilt_engine_fails_too(tmp_path):
     code, err, _ = _fault_fit(tmp_path, "raise-always", 600)
     assert code not in (0, 75, 130), err[-3000:]
@@ -643,6 +648,8 @@ def test_fit_fails_with_a_clear_error_when_the_rebuilt_engine_fails_too(tmp_path
     assert err.count("REBUILD") == 1
 
 
+# (test_signals stops fits by signal in the default suite)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "code", "name"), [(signal.SIGTERM, 75, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")]
 )
@@ -653,6 +660,7 @@ def test_a_signal_during_a_hung_generate_call_stops_the_fit(tmp_path, sig, code,
     assert "REBUILD" not in err  # a stop is not an engine error
 
 
+@pytest.mark.slow
 def test_a_call_stuck_outside_python_ends_the_process(tmp_path):
     from salvage.rollout.config import EXIT_ENGINE_HUNG, hard_exit_grace_s
 

@@ -500,6 +500,9 @@ def test_checkpoint_cost_by_hand():
     }
 
 
+# slow (a GRAFT fit and its test, 42 s on a make-test worker): the default suite keeps the cost
+# by hand (test_checkpoint_cost_by_hand) and joint-cost's own runs (test_joint_cost)
+@pytest.mark.slow
 def test_salvage_test_prints_joint_and_per_model_checkpoint_cost(tmp_path):
     run = tmp_path / "RUN"
     env = dict(

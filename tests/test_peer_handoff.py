@@ -115,6 +115,9 @@ def test_peer_handoff_needs_vhgpo_students(tmp_path):
         trainer.fit(GRAFTModule(), datamodule=_data())
 
 
+# slow (47 s on a make-test worker): the default suite keeps the live peer's handoff
+# (test_each_student_is_rescued_by_its_peer_at_current_weights) and the switch's refusal
+@pytest.mark.slow
 def test_frozen_teacher_is_a_copy_of_the_peer_at_its_initial_weights(tmp_path):
     """``teacher: frozen`` (the issue's comparison): b is rescued by a frozen copy of a's
     initial weights, loaded from a's policy spec, that no update touches; the records name it."""
