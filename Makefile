@@ -29,10 +29,11 @@ test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 # the slow tests (multi-process, multi-node, study runs, learning checks), the Ray cluster
-# ones apart (test-ray-cluster); CI runs both after `make test`. Two workers, one thread each;
-# the multi-node runs that share one-node references stay on one worker (xdist_group)
+# ones apart (test-ray-cluster); CI runs both after `make test`. Three workers, one thread each
+# (the multi-process runs wait on each other much of the time: 69% of 2 cores busy with two);
+# the multi-node runs that share a one-node reference stay on one worker (xdist_group)
 test-slow: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m 'slow and not gpu and not vllm and not ray_cluster' --durations=30
+	$(BIN)/python -m pytest -q -n 3 --dist loadgroup -m 'slow and not gpu and not vllm and not ray_cluster' --durations=30
 
 # a real Ray cluster on localhost (ray start: head + worker raylets); needs the ray extra
 test-ray-cluster: install

@@ -42,10 +42,11 @@ from tests.multinode import (
     torchrun_env,
 )
 
-# the slow stage runs on xdist workers with --dist loadgroup: the runs that share the
-# one-node references (``one_node``) on one worker, GRAFT and VH-GPO across nodes (their own
-# references) on another
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
+# the slow stage runs on xdist workers with --dist loadgroup: the runs that compare with one
+# one-node reference (``one_node``: world 2, world 4, under FSDP2) share a worker, one group
+# per reference; GRAFT and VH-GPO across nodes (their own references) go anywhere
+pytestmark = [pytest.mark.slow]
+WORLD2, WORLD4, FSDP = (pytest.mark.xdist_group(f"multinode_{g}") for g in ("2", "4", "fsdp"))
 
 CLUSTER = {
     "torchrun": "TorchElasticEnvironment",
@@ -176,6 +177,7 @@ def _check_like_one_node(run: Path, ref: Path, style: str, nodes: int, devices: 
     return moved
 
 
+@WORLD2
 @pytest.mark.parametrize("style", ["torchrun", "env", "slurm"])
 def test_two_nodes_of_one_process_equal_one_node_of_two(style, one_node, tmp_path):
     """2 nodes x 1 process, started by torchrun, by hand, or as srun starts them."""
@@ -188,6 +190,7 @@ def test_two_nodes_of_one_process_equal_one_node_of_two(style, one_node, tmp_pat
         assert len(list(tmp_path.rglob("wandb_run.json"))) == 1
 
 
+@WORLD4
 @pytest.mark.parametrize("style", ["torchrun", "node", "slurm"])
 def test_two_nodes_of_two_processes_equal_one_node_of_four(style, one_node, tmp_path):
     """2 nodes x 2 processes: node 1's processes are global ranks 2 and 3, local ranks 0, 1
@@ -196,6 +199,7 @@ def test_two_nodes_of_two_processes_equal_one_node_of_four(style, one_node, tmp_
     _check_like_one_node(tmp_path, one_node(4), style, 2, 2)
 
 
+@FSDP
 def test_fsdp2_on_two_nodes_equals_one_node_and_reads_the_weights_once(one_node, tmp_path):
     """FSDP2 (``configs/trainer/fsdp.yaml``, float32) on 2 nodes x 1 process (torchrun): the
     same update as one node of 2, and only global rank 0 (node 0) reads the weights; the
@@ -207,7 +211,12 @@ def test_fsdp2_on_two_nodes_equals_one_node_and_reads_the_weights_once(one_node,
 
 
 @pytest.mark.parametrize(
-    "devices,fsdp", [(1, False), (2, False), (2, True)], ids=["2x1", "2x2", "2x2-fsdp2"]
+    "devices,fsdp",
+    [
+        pytest.param(1, False, id="2x1", marks=WORLD2),
+        pytest.param(2, False, id="2x2", marks=WORLD4),
+        pytest.param(2, True, id="2x2-fsdp2", marks=FSDP),
+    ],
 )
 def test_resume_after_one_node_dies_continues_both_exactly(devices, fsdp, one_node, tmp_path):
     """2 nodes x ``devices`` processes (torchrun; DDP, or FSDP2 with its sharded checkpoint):
@@ -257,6 +266,7 @@ def test_resume_after_one_node_dies_continues_both_exactly(devices, fsdp, one_no
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+@WORLD2
 def test_slurm_batch_script_on_two_nodes(one_node, tmp_path):
     """``scripts/slurm_fit.sbatch`` as ``sbatch --nodes 2 --ntasks-per-node 1`` runs it:
     ``MASTER_ADDR`` from ``scontrol show hostnames``, ``--trainer.num_nodes`` /
@@ -267,6 +277,7 @@ def test_slurm_batch_script_on_two_nodes(one_node, tmp_path):
     _check_like_one_node(tmp_path, one_node(2), "slurm", 2, 1)
 
 
+@WORLD2
 def test_torchrun_script_on_two_nodes(one_node, tmp_path):
     """``scripts/torchrun_fit.sh`` once per node (``NODE_RANK`` 0 and 1, one process each)."""
     port = free_port()
@@ -302,7 +313,6 @@ def _records(run: Path, name: str) -> list[dict]:
 # VH-GPO on 2 x 2 only: what crosses nodes (the handoff search on each rank's own pool, the
 # record written once by global rank 0) is the same on 2 x 1, which GRPO and GRAFT check, and
 # VH-GPO's 2 x 1 pair of runs was the slowest test of the suite (~450 s on a worker)
-@pytest.mark.xdist_group("multinode_methods")
 @pytest.mark.parametrize(
     ("method", "devices"),
     [("graft", 1), ("graft", 2), ("vhgpo", 2)],
