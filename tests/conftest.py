@@ -35,6 +35,15 @@ def shared_data(rel: str) -> Path:
     return p
 
 
+def needs_twx() -> None:
+    """Skip the test, with the reason, when TextWorld-Express (extra ``twx``) or Java is absent."""
+    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is absent")
+    import shutil
+
+    if shutil.which("java") is None:
+        pytest.skip("TextWorld-Express needs Java")
+
+
 @pytest.fixture(autouse=True)
 def _no_pytest_argv(monkeypatch):
     """The in-process CLIs (``SalvageCLI(args=...)``) see no pytest arguments in ``sys.argv``

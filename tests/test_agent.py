@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+from conftest import needs_twx
 
 from salvage.core.agent import AgentFormat, parse_action, render_prompt, trajectory_reward
 from salvage.envs.pool import EnvPool
@@ -56,14 +56,6 @@ def test_trajectory_reward():
     assert trajectory_reward(False, 2, fmt) == pytest.approx(-0.2)
 
 
-def _needs_twx():
-    pytest.importorskip(
-        "textworld_express", reason="textworld-express (extra twx) is not installed"
-    )
-    if shutil.which("java") is None:
-        pytest.skip("TextWorld-Express needs Java")
-
-
 def _twx_task(game="coin"):
     from salvage.envs.twx import TWXEnv
 
@@ -71,7 +63,7 @@ def _twx_task(game="coin"):
 
 
 def test_malformed_actions_are_penalised_and_the_episode_goes_on(tiny):
-    _needs_twx()
+    needs_twx()
     model, tok = tiny
     fmt = AgentFormat()
     with EnvPool("twx") as pool:
@@ -92,7 +84,7 @@ def test_malformed_actions_are_penalised_and_the_episode_goes_on(tiny):
 
 
 def test_same_seed_same_trajectory(tiny):
-    _needs_twx()
+    needs_twx()
     model, tok = tiny
     fmt = AgentFormat()
 
@@ -108,7 +100,7 @@ def test_same_seed_same_trajectory(tiny):
 
 
 def test_oracle_wins_and_a_recorded_state_resumes_with_its_history():
-    _needs_twx()
+    needs_twx()
     fmt = AgentFormat()
     tasks = _twx_task("twc")
     with EnvPool("twx") as pool:
@@ -138,7 +130,7 @@ def _env():
 
 
 def test_cli_multiturn_grpo_fit_and_test_per_family(tmp_path):
-    _needs_twx()
+    needs_twx()
     run = tmp_path / "RUN"
     base: list[str] = []  # python -m salvage, forked after its imports (tests/forked_cli.py)
     cfg = [
@@ -225,7 +217,7 @@ def test_oracle_sft_refuses_a_max_new_tokens_too_short_for_the_oracle_actions(tm
     '<think></think><action>move north</action>' (its stop string ends it there), so at
     max_new_tokens 24 every action it learned was cut off and scored invalid (the agent
     study's student B never won); OracleSFT now names the key before training."""
-    _needs_twx()
+    needs_twx()
     from salvage.callbacks.sft import OracleSFT
     from salvage.errors import ConfigError
 
@@ -242,7 +234,7 @@ def test_oracle_sft_plays_its_episodes_in_chunks_reusing_the_instances(tmp_path)
     """Regression: a 256-episode warm start on twc was OOM-killed because every oracle
     episode held its own TextWorld-Express instance at once. Chunks of ``chunk_size`` reuse
     the released instances: the same demonstrations, at most ``chunk_size`` instances."""
-    _needs_twx()
+    needs_twx()
     from salvage.callbacks.sft import OracleSFT
 
     class Seen(OracleSFT):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 
 import lightning as L
 import pytest
 import torch
+from conftest import needs_twx
 
 from salvage.core.agent import AgentFormat
 from salvage.core.grpo import assign_advantages
@@ -24,14 +24,6 @@ from salvage.rollout.hf import HFEngine
 from salvage.types import Group, RolloutBatch
 
 COIN = {"game": "coin", "params": "numLocations=6,includeDoors=0,numDistractorItems=0"}
-
-
-def _needs_twx():
-    pytest.importorskip(
-        "textworld_express", reason="textworld-express (extra twx) is not installed"
-    )
-    if shutil.which("java") is None:
-        pytest.skip("TextWorld-Express needs Java")
 
 
 def _students():
@@ -58,7 +50,7 @@ def _group(runner, learner, fmt, task, seed, wins):
 
 
 def test_a_peer_episode_is_re_rendered_turn_by_turn_in_the_receivers_format():
-    _needs_twx()
+    needs_twx()
     from salvage.envs.twx import TWXEnv
 
     module = _students()
@@ -123,7 +115,7 @@ class Capture(L.Callback):
 
 
 def test_agent_graft_fit_exchanges_episodes_both_ways_and_trains_on_them(tmp_path):
-    _needs_twx()
+    needs_twx()
     module = GRAFTModule(
         policy_a=PolicySpec("tiny", vocab_size=768),
         policy_b=PolicySpec("tiny", vocab_size=384, seed=1),
@@ -169,7 +161,7 @@ def test_agent_graft_fit_exchanges_episodes_both_ways_and_trains_on_them(tmp_pat
 
 
 def test_agent_exchange_refuses_single_response_modes():
-    _needs_twx()
+    needs_twx()
     data = AgentPeersDataModule(
         env=EnvSpec(name="twx", train_tasks={**COIN, "num_tasks": 2}), tasks_per_step=2
     )

@@ -7,21 +7,14 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 
-import pytest
+from conftest import needs_twx
 
 from salvage.core.heldout import text_digest
 from salvage.datamodules import digests
 from salvage.datamodules.digests import cached_digests, entry_path
 
 TWC = {"game": "twc", "params": "numLocations=1,numItemsToPutAway=2"}
-
-
-def _needs_twx():
-    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is absent")
-    if shutil.which("java") is None:
-        pytest.skip("TextWorld-Express needs Java")
 
 
 def test_cached_digests_compute_only_what_the_disk_lacks(tmp_path, monkeypatch):
@@ -69,7 +62,7 @@ def test_an_unwritable_cache_warns_once_and_loses_nothing(tmp_path, monkeypatch,
 def test_a_twx_datamodule_reads_its_digests_back_and_a_new_identity_recomputes(
     tmp_path, monkeypatch
 ):
-    _needs_twx()
+    needs_twx()
     from salvage.datamodules.agent import AgentDataModule, EnvSpec
     from salvage.envs.twx import TWXEnv
 

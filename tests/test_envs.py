@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
-from conftest import shared_data
+from conftest import needs_twx, shared_data
 
 from salvage.envs import RestoreError, make_env
 from salvage.envs.base import check_json
@@ -55,17 +54,9 @@ def test_scripted_restore_every_depth_and_tampering():
         make_env("scripted").restore(dict(snaps[1], env="twx"))
 
 
-def _needs_twx():
-    pytest.importorskip(
-        "textworld_express", reason="textworld-express (extra twx) is not installed"
-    )
-    if shutil.which("java") is None:
-        pytest.skip("TextWorld-Express needs Java")
-
-
 @pytest.mark.parametrize("game", ["cookingworld", "twc"])
 def test_twx_restore_every_depth_reproduces_observation(game):
-    _needs_twx()
+    needs_twx()
     env = make_env("twx")
     try:
         task = env.list_tasks("train", game=game, num_tasks=3)[2]
@@ -97,7 +88,7 @@ def test_twx_restore_every_depth_reproduces_observation(game):
     ],
 )
 def test_twx_planner_oracle_is_shortest_deterministic_and_replans(game, params, shortest):
-    _needs_twx()
+    needs_twx()
     env = make_env("twx")
     try:
         task = env.list_tasks("train", game=game, params=params, num_tasks=1)[0]
@@ -126,7 +117,7 @@ def test_twx_planner_oracle_plans_a_state_once_per_process():
     """VH-GPO's teacher attempts from one anchor ask the oracle at the same state on
     different instances: the second ask reuses the first plan (same actions, no planner
     twin started, no planner steps) instead of repeating the breadth-first search."""
-    _needs_twx()
+    needs_twx()
     from salvage.envs import twx
 
     twx._PLANS.clear()

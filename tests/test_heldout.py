@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import needs_twx
 
 from salvage.core.heldout import (
     digest_fraction,
@@ -35,12 +35,6 @@ ADD = {
 }
 
 
-def _needs_twx():
-    pytest.importorskip("textworld_express", reason="textworld-express (extra twx) is absent")
-    if shutil.which("java") is None:
-        pytest.skip("TextWorld-Express needs Java")
-
-
 # ---------------------------------------------------------------------- the pure core
 def test_digests_ignore_case_and_whitespace_and_splits_partition_the_pool():
     assert normalise_text("  Calculate\t5 +  4. ") == "calculate 5 + 4."
@@ -56,7 +50,7 @@ def test_digests_ignore_case_and_whitespace_and_splits_partition_the_pool():
 
 # ---------------------------------------------------------------------- TextWorld-Express
 def test_twx_folds_take_the_engines_own_seed_ranges_and_dev_games_are_unseen():
-    _needs_twx()
+    needs_twx()
     from salvage.envs.twx import TWXEnv
 
     params = "numLocations=6,includeDoors=0,numDistractorItems=0"
@@ -92,7 +86,7 @@ def _agent_dm(train, val, allow=False):
 
 
 def test_overlap_guard_refuses_an_agent_fit_on_training_games_naming_both_sources():
-    _needs_twx()
+    needs_twx()
     one_room = {"game": "coin", "params": "numLocations=1,includeDoors=0,numDistractorItems=0"}
     dm = _agent_dm({**one_room, "num_tasks": 4}, {**one_room, "num_tasks": 2})
     with pytest.raises(ConfigError) as e:
@@ -124,7 +118,7 @@ def test_twx_fold_key_gives_unseen_training_fold_games_and_drop_overlap_keeps_th
     """In-distribution held-out games: the validation split drawn from the training fold
     (``fold: train`` past the training seeds), each game once and none a training game's
     (twc repeats games across seeds), labelled beside the dev games."""
-    _needs_twx()
+    needs_twx()
     from salvage.datamodules.agent import AgentDataModule, EnvSpec
     from salvage.envs.twx import TWXEnv
 
@@ -318,7 +312,7 @@ def _data_configs() -> list[Path]:
 def test_every_shipped_config_has_no_heldout_overlap(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     if any(w in path.read_text() for w in ("game: ", "name: twx")):
-        _needs_twx()
+        needs_twx()
     text = path.read_text()
     if "../shared/" in text and not (ROOT.parent / "shared" / "data").is_dir():
         pytest.skip("reads ../shared/data, which is absent")
@@ -335,7 +329,7 @@ def test_every_study_has_no_heldout_overlap_with_its_runs_or_warm_starts(path, m
 
     monkeypatch.chdir(ROOT)
     if "twx" in path.read_text():
-        _needs_twx()
+        needs_twx()
     study = load_study(path)
     sft: dict[str, str] = {}
     for _creates, args in study.prepare:  # the shared warm starts the runs load
