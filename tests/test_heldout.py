@@ -114,6 +114,9 @@ def test_overlap_guard_refuses_an_agent_fit_on_training_games_naming_both_source
         dm.teardown("fit")
 
 
+# slow (~140 games digested by hand, 41 s on a make-test worker): the default suite keeps the
+# folds' seed ranges (test_twx_folds_take_...) and the guard's refusal on training games
+@pytest.mark.slow
 def test_twx_fold_key_gives_unseen_training_fold_games_and_drop_overlap_keeps_them_distinct():
     """In-distribution held-out games: the validation split drawn from the training fold
     (``fold: train`` past the training seeds), each game once and none a training game's

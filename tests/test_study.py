@@ -846,6 +846,9 @@ def test_a_signalled_study_stops_its_fits_and_exits_nonzero(tmp_path, sig, code)
     assert not (run / "done.json").exists() and not (out / "grpo" / "seed1").exists()
 
 
+# slow (a calibration fit and the gated runs, 40 s on a make-test worker): the default suite
+# keeps the regime block and its calibration run's plan, and the criteria on hand-made metrics
+@pytest.mark.slow
 def test_regime_check_gates_the_record_runs(tmp_path, capsys):
     """One calibration and two record runs of the tiny config: a failing criterion starts no
     record run (exit 3); a passing one starts them; --skip-regime starts them anyway."""
