@@ -59,6 +59,17 @@ class OddLength(Reward):
         return RewardResult(reward=float(ok), success=ok)
 
 
+class Pace(L.Callback):
+    """Sleep ``seconds`` after each update: a 12-update tiny fit takes ~1 s here, too short
+    for a test to kill its node between its first checkpoint and its end."""
+
+    def __init__(self, seconds: float = 0.5) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        time.sleep(self.seconds)
+
+
 class Capture(L.Callback):
     """Write ``tasks_<global rank>_<step>.json`` (the task ids of the rank's rollout batch)
     and ``ranks_<global rank>.json`` (global / local / node rank, world size, how many times

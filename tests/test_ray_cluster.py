@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.ports import master_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_RAY = importlib.util.find_spec("ray") is not None
@@ -47,9 +48,11 @@ AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port no other call hands out: each call the next of this process's block below the
+    OS's ephemeral range (tests/ports.py). Binding port 0 per call let the OS hand one port
+    out twice: CI's head refused to start with its dashboard agent and metrics export on
+    one port; Ray's own random picks stay in the ephemeral range, apart from these."""
+    return master_port()
 
 
 def _env(marker: str, token: str) -> dict[str, str]:
@@ -487,10 +490,12 @@ base: {base}
 baseline: grpo
 seeds: [0]
 overrides:
-  trainer.max_steps: 12
-  trainer.enable_progress_bar: false
-  data.init_args.prompts_per_step: 2
-  data.init_args.engine.max_new_tokens: 8
+  - trainer.max_steps: 12
+    trainer.enable_progress_bar: false
+    data.init_args.prompts_per_step: 2
+    data.init_args.engine.max_new_tokens: 8
+  # 0.5 s an update: the fits last long enough to lose a node mid-run (~1 s without)
+  - --trainer.callbacks+ tests.multinode.Pace
 methods:
   grpo: []
   drgrpo: [{{data.init_args.advantage: drgrpo}}]
@@ -502,6 +507,18 @@ def _pid(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def _logged_step(run: Path) -> bool:
+    """Whether a metrics.csv of ``run`` holds a row with a step."""
+    for path in run.glob("version_*/metrics.csv"):
+        try:
+            with path.open(newline="") as f:
+                if any(r.get("step") for r in csv.DictReader(f)):
+                    return True
+        except (OSError, csv.Error):
+            continue
+    return False
 
 
 def test_study_runs_two_runs_at_once_and_a_run_whose_node_dies_resumes(live, tmp_path):
@@ -535,9 +552,9 @@ def test_study_runs_two_runs_at_once_and_a_run_whose_node_dies_resumes(live, tmp
         lost = [m for m, p in pids.items() if p in on_worker]
         assert len(lost) == 1, (pids, on_worker)  # one run on each node
         victim, other = lost[0], next(m for m in runs if m != lost[0])
-        while not (runs[victim] / "last.ckpt").exists() and not list(
-            runs[victim].glob("**/last.ckpt")
-        ):
+        # a checkpoint and a logged step: Lightning writes last.ckpt before that step's
+        # metrics row, and a kill in between left the killed run without a metrics.csv
+        while not (_logged_step(runs[victim]) and list(runs[victim].glob("**/last.ckpt"))):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.time() < deadline, "the run on the worker wrote no checkpoint"
             time.sleep(0.5)
