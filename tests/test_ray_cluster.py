@@ -47,14 +47,6 @@ OBJECT_STORE = 200 * 2**20
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
-def _free_port() -> int:
-    """A port no other call hands out: each call the next of this process's block below the
-    OS's ephemeral range (tests/ports.py). Binding port 0 per call let the OS hand one port
-    out twice: CI's head refused to start with its dashboard agent and metrics export on
-    one port; Ray's own random picks stay in the ephemeral range, apart from these."""
-    return master_port()
-
-
 def _env(marker: str, token: str) -> dict[str, str]:
     """Environment of every process this module starts: quiet, offline, this tree first, the
     cluster's own auth token (never ``~/.ray/auth_token``: Ray 2.60 turns token auth on for a
@@ -99,7 +91,7 @@ class LocalCluster:
         self.root = Path(tempfile.mkdtemp(prefix="srt-"))  # short: Unix socket paths
         self.marker = str(self.root)
         self.env = _env(self.marker, secrets.token_hex(32))
-        self.port = _free_port()
+        self.port = master_port()
         self.address = f"127.0.0.1:{self.port}"
         self.ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
         self.head: subprocess.Popen[bytes] | None = None
@@ -121,7 +113,10 @@ class LocalCluster:
             f"--resources={json.dumps(resources)}",
         ]
         args += [f"--object-store-memory={OBJECT_STORE}", "--disable-usage-stats", "--block"]
-        args += [f"{p}={_free_port()}" for p in ports]
+        # each from this session's block below the ephemeral range, handed out once
+        # (tests/ports.py): binding port 0 per component let the OS hand one port out
+        # twice, and CI's head refused to start with two components on it
+        args += [f"{p}={master_port()}" for p in ports]
         return [*args, "--min-worker-port=0", "--max-worker-port=0"]  # 0: any free port
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -139,7 +134,7 @@ class LocalCluster:
         import ray
 
         args = ["--head", f"--port={self.port}"]
-        args += ["--include-dashboard=false", f"--dashboard-port={_free_port()}"]
+        args += ["--include-dashboard=false", f"--dashboard-port={master_port()}"]
         self.head = self._start("head", args + self._node_args("head", {"head_node": 1}))
         deadline = time.time() + timeout
         while not ray.is_initialized():
@@ -553,7 +548,7 @@ def test_study_runs_two_runs_at_once_and_a_run_whose_node_dies_resumes(live, tmp
         assert len(lost) == 1, (pids, on_worker)  # one run on each node
         victim, other = lost[0], next(m for m in runs if m != lost[0])
         # a checkpoint and a logged step: Lightning writes last.ckpt before that step's
-        # metrics row, and a kill in between left the killed run without a metrics.csv
+        # metrics row, and a kill in between would leave the killed run without one
         while not (_logged_step(runs[victim]) and list(runs[victim].glob("**/last.ckpt"))):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.time() < deadline, "the run on the worker wrote no checkpoint"
