@@ -25,7 +25,7 @@ def shape_of(spec: dict[str, Any]) -> Shape:
 
     from salvage.models import PolicySpec, load_model, load_tokenizer
 
-    if name == "tiny":
+    if name in ("tiny", "small"):
         ps = PolicySpec(**{k: v for k, v in spec.items() if k in PolicySpec.__dataclass_fields__})
         model = load_model(ps, load_tokenizer(ps))
     else:

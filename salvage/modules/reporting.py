@@ -93,6 +93,8 @@ class PolicyReport(StepLog):
                 m.update("rollout/truncated_frac", float(turn.finish_reason == "length"))
         for g in groups:
             m.update("rollout/zero_signal_frac", float(g.zero_signal))
+        # returned with the update's metrics (``Learner._finish_update``): GRAFT prefixes them
+        self.family_metrics = family_rollout_metrics(groups)
         st = batch.stats
         if st.time_generate is not None and st.time_generate > 0:
             m.update("perf/rollout_tokens_per_s", st.gen_tokens / st.time_generate)
@@ -177,6 +179,34 @@ class PolicyReport(StepLog):
                         float(len(g.trajectories)),
                     )
                 )
+
+
+def family_rollout_metrics(groups: list[Any]) -> dict[str, float]:
+    """``rollout/success/<family>`` and ``rollout/zero_signal/<family>`` of this update's own
+    groups, summed over every process, when the tasks come from two or more families (the
+    learning criterion of a study with mixed difficulty reads them per family)."""
+    local: dict[str, list[float]] = {}
+    for g in groups:
+        fam = g.task.get("family")
+        if fam and g.trajectories:
+            c = local.setdefault(str(fam), [0.0, 0.0, 0.0, 0.0])
+            c[0] += sum(bool(t.success) for t in g.trajectories)
+            c[1] += len(g.trajectories)
+            c[2] += float(g.zero_signal)
+            c[3] += 1.0
+    total: dict[str, list[float]] = {}
+    for part in gather_objects(local):
+        for fam, c in part.items():
+            acc = total.setdefault(fam, [0.0, 0.0, 0.0, 0.0])
+            for i, v in enumerate(c):
+                acc[i] += v
+    if len(total) < 2:
+        return {}
+    out = {}
+    for fam, (hits, n, zero, n_groups) in sorted(total.items()):
+        out[f"rollout/success/{fam}"] = hits / n
+        out[f"rollout/zero_signal/{fam}"] = zero / n_groups
+    return out
 
 
 def _sampled_metrics(batch: RolloutBatch, prefix: str) -> dict[str, tuple[float, int]]:
