@@ -124,6 +124,22 @@ REGIME_STUDY = f"base: {TINY}\nbaseline: b\nseeds: [4, 5]\nmethods: {{a: [], b: 
         ("{seed: x, criteria: [{metric: m, '>=': 0}]}", r"regime.seed='x' must be an integer"),
         ("{when: 1, criteria: [{metric: m, '>=': 0}]}", r"regime.when=1 is not a regime key"),
         ("[1]", r"regime=\[1\] must be a mapping"),
+        (
+            "{criteria: [{metric: m, stat: gain, '>=': 0.1}]}",
+            r"regime.criteria\[0\].k=None must be an integer >= 1 for stat: gain",
+        ),
+        (
+            "{criteria: [{metric: m, stat: gain, k: 0, '>=': 0.1}]}",
+            r"regime.criteria\[0\].k=0 must be an integer >= 1",
+        ),
+        (
+            "{criteria: [{metric: m, stat: gain, k: 3, steps: [1, 5], '>=': 0.1}]}",
+            r"regime.criteria\[0\].k=3 needs 2k <= the updates in steps \[1, 5\]",
+        ),
+        (
+            "{criteria: [{metric: m, k: 2, '>=': 0.1}]}",
+            r"regime.criteria\[0\].k=2 is for stat: gain only \(stat is 'mean'\)",
+        ),
     ],
 )
 def test_regime_block_errors_name_the_file_key_and_value(tmp_path, regime, match):
@@ -222,6 +238,66 @@ def test_criteria_on_hand_made_metrics():
         "pass",
     ]
     assert table[2].split()[-1] == "FAIL"
+
+
+def test_the_learning_criterion_gain_by_hand():
+    # success 0.0, 0.1, ..., 0.5 at updates 1-6 (metrics.csv steps 0-5)
+    series = {"rollout/success_rate": {float(i): i / 10 for i in range(6)}}
+    crit = [
+        # last 2 (0.4, 0.5) minus first 2 (0.0, 0.1): 0.45 - 0.05 = 0.4
+        Criterion("rollout/success_rate", ">=", 0.4, "gain", None, None, 2),
+        Criterion("rollout/success_rate", ">", 0.4, "gain", None, None, 2),
+        # updates 2-5 (0.1 .. 0.4), k = 1: 0.4 - 0.1 = 0.3
+        Criterion("rollout/success_rate", ">=", 0.3, "gain", (2, 5), None, 1),
+        # updates 1-6 hold 6 rows; k = 4 needs 8
+        Criterion("rollout/success_rate", ">=", 0.0, "gain", None, None, 4),
+    ]
+    got = evaluate(crit, series)
+    assert [v.passed for v in got] == [True, False, True, False]
+    assert got[0].value == pytest.approx(0.4) and got[2].value == pytest.approx(0.3)
+    assert got[3].value is None and got[3].rows == 6
+    assert got[3].why == "rollout/success_rate has 6 logged update(s) where gain over k=4 needs 8"
+    # the per-update values it was computed on, 1-based, go to regime.json
+    assert got[2].values == [(2, 0.1), (3, 0.2), (4, 0.3), (5, 0.4)]
+    assert got[0].criterion.describe() == "gain (last 2 - first 2) rollout/success_rate >= 0.4"
+    assert got[1].line() == (
+        "gain (last 2 - first 2) rollout/success_rate > 0.4: measured 0.4 over 6 update(s)"
+    )
+    falling = {"rollout/success_rate": {0.0: 0.5, 1.0: 0.4, 2.0: 0.1, 3.0: 0.2}}
+    (v,) = evaluate([Criterion("rollout/success_rate", ">=", 0.0, "gain", None, None, 2)], falling)
+    assert v.value == pytest.approx(-0.3) and not v.passed
+    assert regime_table([v]).splitlines()[1].split()[:3] == ["rollout/success_rate", "gain", "k=2"]
+
+
+RECORD = ROOT / "docs/results/vhgpo_twx/record"
+
+
+@pytest.mark.skipif(not RECORD.is_dir(), reason="the tiny VH-GPO record is not in this checkout")
+def test_the_shipped_vhgpo_gate_refuses_the_tiny_set_ups_grpo():
+    """Issue 45: the study's learning criterion, read from the shipped study file, fails on
+    every recorded GRPO run of today's tiny set-up (its training success is flat or falls)."""
+    study = load_study(ROOT / "studies/vhgpo_twx.yaml")
+    (gain,) = [c for c in study.regime.criteria if c.stat == "gain"]
+    assert (gain.metric, gain.k, gain.steps, gain.method) == (
+        "rollout/success_rate",
+        10,
+        (1, 40),
+        None,
+    )
+    assert study.regime.method == "grpo"
+    values = []
+    for seed in range(6):
+        (v,) = evaluate([gain], read_run(RECORD / "grpo" / f"seed{seed}"))
+        assert v.rows == 40 and not v.passed, (seed, v.value)
+        values.append(round(v.value, 4))
+    assert values == [-0.1219, -0.0312, -0.0813, -0.0594, 0.0625, -0.0062]
+    # GRAFT's study asks the same of both models, on its no-exchange calibration
+    graft = load_study(ROOT / "studies/graft_arith.yaml")
+    gains = [(c.method, c.metric) for c in graft.regime.criteria if c.stat == "gain"]
+    assert gains == [
+        ("no_exchange", "a/rollout/success_rate"),
+        ("no_exchange", "b/rollout/success_rate"),
+    ]
 
 
 def test_a_stopped_run_is_not_done_and_resumes_on_the_next_call(tmp_path, monkeypatch, capsys):
@@ -872,6 +948,7 @@ def test_regime_check_gates_the_record_runs(tmp_path, capsys):
     assert regime["command"][-2:] == ["--trainer.default_root_dir", str(cal)]
     always_r, never_r, missing_r = regime["criteria"]
     assert always_r["result"] == "pass" and always_r["rows"] == 2
+    assert [u for u, _ in always_r["values"]] == [1, 2]  # the per-update values
     assert never_r["result"] == "FAIL" and 0 <= never_r["value"] <= 1
     assert missing_r["value"] is None and "rollout/zero_signal_frac" in missing_r["why"]
     fails = [line for line in got.err.splitlines() if line.startswith("regime: FAIL: ")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,29 @@ class Verdict:
     """How many logged updates the statistic is over."""
     why: str = ""
     """Why there is no value."""
+    values: list[tuple[int, float]] = field(default_factory=list)
+    """The per-update values the statistic is over: (1-based update, value)."""
 
     def line(self) -> str:
         c = self.criterion
         if self.value is None:
             return f"{c.describe()}: {self.why}"
         return f"{c.describe()}: measured {self.value:.6g} over {self.rows} update(s)"
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v)
+
+
+STAT_FUNCTIONS: dict[str, Callable[[list[float], int], float]] = {
+    "mean": lambda v, k: _mean(v),
+    "min": lambda v, k: min(v),
+    "max": lambda v, k: max(v),
+    "last": lambda v, k: v[-1],
+    # the learning criterion: the last k updates' mean minus the first k's
+    "gain": lambda v, k: _mean(v[-k:]) - _mean(v[:k]),
+}
+"""Each ``stat`` of a criterion on its per-update values (in update order) and its ``k``."""
 
 
 def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -> list[Verdict]:
@@ -76,8 +93,8 @@ def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -
             continue
         if c.steps is not None:
             lo, hi = c.steps
-            sel = [v for s, v in pts if lo - 1 <= s <= hi - 1]
-            if not sel:
+            kept = [(s, v) for s, v in pts if lo - 1 <= s <= hi - 1]
+            if not kept:
                 why = (
                     f"{c.metric} has no row in updates {lo}-{hi} (logged at updates "
                     f"{int(pts[0][0]) + 1}-{int(pts[-1][0]) + 1})"
@@ -85,15 +102,20 @@ def evaluate(criteria: list[Criterion], series: dict[str, dict[float, float]]) -
                 out.append(Verdict(c, None, False, 0, why))
                 continue
         else:
-            sel = [v for _, v in pts]
-        stats: dict[str, Callable[[list[float]], float]] = {
-            "mean": lambda v: sum(v) / len(v),
-            "min": min,
-            "max": max,
-            "last": lambda v: v[-1],
-        }
-        value = stats[c.stat](sel)
-        out.append(Verdict(c, value, COMPARISONS[c.op](value, c.threshold), len(sel)))
+            kept = pts
+        values = [(int(s) + 1, v) for s, v in kept]
+        sel = [v for _, v in kept]
+        if c.stat == "gain":
+            assert c.k is not None
+            if len(sel) < 2 * c.k:
+                why = (
+                    f"{c.metric} has {len(sel)} logged update(s) where gain over k={c.k} needs "
+                    f"{2 * c.k}"
+                )
+                out.append(Verdict(c, None, False, len(sel), why, values))
+                continue
+        value = STAT_FUNCTIONS[c.stat](sel, c.k or 1)
+        out.append(Verdict(c, value, COMPARISONS[c.op](value, c.threshold), len(sel), "", values))
     return out
 
 
@@ -103,7 +125,7 @@ def regime_table(verdicts: list[Verdict]) -> str:
     rows = [
         (
             (f"{v.criterion.method}: " if v.criterion.method else "") + v.criterion.metric,
-            v.criterion.stat,
+            v.criterion.stat + (f" k={v.criterion.k}" if v.criterion.k else ""),
             "all" if v.criterion.steps is None else "{}-{}".format(*v.criterion.steps),
             "missing" if v.value is None else f"{v.value:.6g}",
             f"{v.criterion.op} {v.criterion.threshold:g}",
@@ -165,8 +187,10 @@ def _record(study: Study, cals: list[Run], verdicts: list[Verdict], skip: bool) 
                 "steps": None if v.criterion.steps is None else list(v.criterion.steps),
                 "op": v.criterion.op,
                 "threshold": v.criterion.threshold,
+                **({"k": v.criterion.k} if v.criterion.k is not None else {}),
                 "value": v.value,
                 "rows": v.rows,
+                "values": [[u, x] for u, x in v.values],
                 "result": "pass" if v.passed else "FAIL",
                 **({"why": v.why} if v.why else {}),
             }

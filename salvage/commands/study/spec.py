@@ -38,7 +38,9 @@ STUDY_KEYS = {
     "regime",
 }
 REGIME_KEYS = {"method", "seed", "overrides", "criteria"}
-STATS = ("mean", "min", "max", "last")
+STATS = ("mean", "min", "max", "last", "gain")
+"""``gain``: the mean of the last ``k`` logged updates in ``steps`` minus the mean of the
+first ``k`` (the learning criterion: does the baseline's training success rise?)."""
 COMPARISONS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
     "<=": operator.le,
@@ -84,11 +86,14 @@ class Criterion:
     """1-based update indices, inclusive; None: every logged update."""
     method: str | None = None
     """The method whose calibration run it is measured on; None: the regime's ``method``."""
+    k: int | None = None
+    """``stat: gain`` only: how many updates each end's mean is over."""
 
     def describe(self) -> str:
         where = f" over updates {self.steps[0]}-{self.steps[1]}" if self.steps else ""
         who = f"{self.method}: " if self.method else ""
-        return f"{who}{self.stat} {self.metric}{where} {self.op} {self.threshold:g}"
+        stat = f"gain (last {self.k} - first {self.k})" if self.stat == "gain" else self.stat
+        return f"{who}{stat} {self.metric}{where} {self.op} {self.threshold:g}"
 
 
 @dataclass
@@ -364,13 +369,13 @@ def _criterion(file: Path, key: str, c: Any, methods: dict[str, Any], method: st
     """One item of ``regime.criteria`` (``key``), checked; ``method``: the regime's."""
     if not isinstance(c, dict):
         raise _err(file, key, c, "must be a mapping {metric: NAME, '>=': NUMBER, ...}")
-    extra = sorted(set(c) - {"metric", "steps", "stat", "method"} - set(COMPARISONS), key=str)
+    extra = sorted(set(c) - {"metric", "steps", "stat", "method", "k"} - set(COMPARISONS), key=str)
     if extra:
         raise _err(
             file,
             f"{key}[{extra[0]!r}]",
             c[extra[0]],
-            "is not a criterion key (metric, steps, stat, method, and one of >=, <=, >, <)",
+            "is not a criterion key (metric, steps, stat, k, method, and one of >=, <=, >, <)",
         )
     c_method = c.get("method")
     if c_method is not None and c_method not in methods:
@@ -390,8 +395,24 @@ def _criterion(file: Path, key: str, c: Any, methods: dict[str, Any], method: st
     if stat not in STATS:
         raise _err(file, f"{key}.stat", stat, f"must be one of {', '.join(STATS)}")
     steps = _steps(file, f"{key}.steps", c.get("steps"))
+    k = c.get("k")
+    if stat == "gain":
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise _err(file, f"{key}.k", k, "must be an integer >= 1 for stat: gain")
+        if steps is not None and steps[1] - steps[0] + 1 < 2 * k:
+            raise _err(
+                file, f"{key}.k", k, f"needs 2k <= the updates in steps {list(steps)} (no overlap)"
+            )
+    elif k is not None:
+        raise _err(file, f"{key}.k", k, f"is for stat: gain only (stat is {stat!r})")
     return Criterion(
-        metric, op, float(c[op]), stat, steps, None if c_method in (None, method) else c_method
+        metric,
+        op,
+        float(c[op]),
+        stat,
+        steps,
+        None if c_method in (None, method) else c_method,
+        k,
     )
 
 
