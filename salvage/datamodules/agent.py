@@ -48,8 +48,8 @@ class EnvSpec:
     """``twx``, ``alfworld``, ``webshop``, ``scripted`` (tests)."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Constructor arguments of the env class (e.g. ``step_limit``)."""
-    train_tasks: dict[str, Any] = field(default_factory=dict)
-    """Arguments of the env's ``list_tasks("train", ...)`` (twx: game, params, num_tasks)."""
+    train_tasks: dict[str, Any] | list[dict[str, Any]] = field(default_factory=dict)
+    """Arguments of the env's ``list_tasks("train", ...)`` (twx: game, params, num_tasks), or a list of them (families of mixed difficulty, each with a ``label``)."""
     val_tasks: dict[str, Any] | list[dict[str, Any]] | None = None
     """Arguments of ``list_tasks("val", ...)``, or a list of them (several sets, each with a ``label``); None: no validation."""
     test_tasks: dict[str, Any] | list[dict[str, Any]] | None = None
