@@ -74,11 +74,11 @@ def row(run: Path, k: int, sample: str, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any, col: str = "") -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:+.3f}" if abs(v) < 1 and v != 0 else f"{v:.3g}"
+        return f"{v:+.3f}" if col.startswith("gain") else f"{v:.3g}"
     return str(v)
 
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+        print("| " + " | ".join(_fmt(r.get(c), c) for c in cols) + " |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0
