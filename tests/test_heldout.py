@@ -323,7 +323,9 @@ def test_every_shipped_config_has_no_heldout_overlap(path, monkeypatch):
     assert metrics.get("data/heldout_overlap", 0.0) == 0.0
 
 
-STUDIES = sorted((ROOT / "studies").glob("*.yaml"))
+STUDIES = sorted((ROOT / "studies").glob("*.yaml")) + sorted(
+    (ROOT / "studies/scale").glob("*.yaml")
+)
 
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
