@@ -121,6 +121,7 @@ def test_twx_planner_oracle_plans_a_state_once_per_process():
     from salvage.envs import twx
 
     twx._PLANS.clear()
+    twx._TRANSITIONS.clear()  # as in a fresh process: no state of the game cached yet
     params = "numLocations=4,includeDoors=0,numDistractorItems=0"
     a, b = make_env("twx"), make_env("twx")
     try:

@@ -22,6 +22,7 @@ Each instance holds its own JVM (~0.5 s to start), reused across episodes.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import Any, ClassVar
 
@@ -60,6 +61,25 @@ _PLANS: OrderedDict[tuple[Any, ...], tuple[str, ...] | None] = OrderedDict()
 of the process: the search is deterministic, so asking again only repeats it (VH-GPO's
 teacher attempts from one anchor all plan from the same state)."""
 
+TRANSITION_CACHE_SIZE = 200_000
+"""Engine states kept per process for the planner (least recently used dropped first)."""
+_TRANSITIONS: OrderedDict[tuple[Any, ...], tuple[str, dict[str, Any], bool]] = OrderedDict()
+"""(observation, info, done) per ((game, params, game_seed, fold, step_limit), actions since
+reset), for every state the planner's twin reached, shared by every instance of the process:
+the engine is deterministic given the game and the actions (``_plan_key`` assumes it too), so
+a search reaching a state some earlier search reached reads it here instead of restoring the
+twin (a reset and a replay of the whole history) and stepping it."""
+
+
+def _remember(
+    game: tuple[Any, ...], actions: tuple[str, ...], obs: str, info: dict[str, Any], done: bool
+) -> None:
+    key = (game, actions)
+    _TRANSITIONS[key] = (obs, info, done)
+    _TRANSITIONS.move_to_end(key)
+    if len(_TRANSITIONS) > TRANSITION_CACHE_SIZE:
+        _TRANSITIONS.popitem(last=False)
+
 
 class TWXEnv(ReplayEnv):
     name: ClassVar[str] = "twx"
@@ -75,7 +95,15 @@ class TWXEnv(ReplayEnv):
         self._loaded: tuple[str, str] | None = None
         self._task_desc = ""
         self._planner: TWXEnv | None = None
+        self._ref_planner: TWXEnv | None = None  # ``_bfs_reference``'s twin (today's steps)
         self._plan: tuple[tuple[str, ...], list[str]] | None = None
+        self.engine_steps = 0
+        """Steps this instance asked of its engine (resets not counted)."""
+        self._lean = False  # the planner's twin: one engine call per step (``_lean_step``)
+        self._descs: dict[tuple[Any, ...], str] = {}
+        self._lean_raw: dict[str, Any] = {}
+        self._lean_moves = 0
+        self._lean_score = 0.0
 
     def _server(self) -> Any:
         if self._env is None:
@@ -136,10 +164,17 @@ class TWXEnv(ReplayEnv):
             env.load(*key)
             self._loaded = key
         # TWX draws a game per (seed, fold): the task's game_seed must be valid for its fold
-        obs, raw = env.reset(
-            seed=int(task["game_seed"]), gameFold=task.get("fold", "train"), generateGoldPath=False
-        )
+        seed_, fold = int(task["game_seed"]), task.get("fold", "train")
         self._plan = None
+        if self._lean:
+            raw = json.loads(env.server.generateNewGameJSON(seed_, fold, False))
+            game = (*key, seed_, fold)
+            if game not in self._descs:  # the same for every reset of one game
+                self._descs[game] = env.server.getTaskDescription()
+            self._task_desc = self._descs[game]
+            self._lean_raw, self._lean_moves, self._lean_score = raw, 0, 0.0
+            return raw["observation"], self._info_from(raw)
+        obs, raw = env.reset(seed=seed_, gameFold=fold, generateGoldPath=False)
         self._task_desc = raw.get("taskDescription", "")
         return obs, self._info_from(raw)
 
@@ -192,9 +227,34 @@ class TWXEnv(ReplayEnv):
         }
 
     def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
-        obs, reward, done, raw = self._env.step(action)
+        if self._lean:
+            obs, reward, done, raw = self._lean_step(action)
+        else:
+            obs, reward, done, raw = self._env.step(action)
+        self.engine_steps += 1
         info = self._info_from(raw)
         return obs, reward, bool(done or info["won"] or info["lost"]), info
+
+    def _lean_step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        """``TextWorldExpressEnv.step`` in one engine call instead of two (it asks the engine
+        for the task description on every step; a game's is fixed, fetched at its first
+        reset): the same observation, reward, done and fields ``_info_from`` reads, checked
+        against it in tests/test_twx_planner.py. The planner's twin steps this way; a step
+        costs one round trip to the JVM, which is most of its time."""
+        if action == "help":  # the wrapper answers it itself: no engine step, no move
+            return self._task_desc, 0, False, dict(self._lean_raw)
+        raw = json.loads(self._env.server.stepJSON(action))
+        self._lean_moves += 1
+        score = raw["score"]
+        reward, self._lean_score = score - self._lean_score, score
+        done = (
+            self._lean_moves > self.step_limit
+            or score >= 1.0
+            or bool(raw["tasksuccess"])
+            or bool(raw["taskfailure"])
+        )
+        self._lean_raw = raw
+        return raw["observation"], reward, done, raw
 
     # -- oracle: breadth-first planning on a twin instance ------------------------------
     def oracle_action(self) -> str | None:
@@ -234,10 +294,100 @@ class TWXEnv(ReplayEnv):
     def _key(self, obs: str, info: dict[str, Any]) -> str:
         return f"{obs}|{','.join(info['admissible'])}|{info['score']}"
 
-    def _bfs(self) -> list[str] | None:
+    def _game_id(self) -> tuple[Any, ...]:
+        """What the engine's transitions depend on besides the actions since reset: the game
+        and the step limit (``done`` turns true past it)."""
+        t = self._task or {}
+        return (
+            t.get("game"),
+            t.get("params", ""),
+            t.get("game_seed"),
+            t.get("fold", "train"),
+            self.step_limit,
+        )
+
+    def _twin(self) -> TWXEnv:
         if self._planner is None:
             self._planner = TWXEnv(step_limit=self.step_limit)
-        tw = self._planner
+            self._planner._lean = True
+        return self._planner
+
+    def _engine_at(self, actions: tuple[str, ...]) -> TWXEnv:
+        """The twin at the state after ``actions`` since reset: stepped on from where it is
+        when it stands on a prefix of them, else reset and replayed. Every state it passes is
+        recorded in the transition cache."""
+        tw = self._twin()
+        game = self._game_id()
+        have = tuple(tw._actions)
+        if (
+            tw._task is None
+            or tw._game_id() != game
+            or tw._done
+            or len(have) > len(actions)
+            or actions[: len(have)] != have
+        ):
+            assert self._task is not None
+            tw.reset(self._task, self._seed)
+            have = ()
+            _remember(game, (), tw.observation, tw.info, False)
+        for t in range(len(have), len(actions)):
+            if tw._done:  # the history ends the game before its last action (not a planner path)
+                raise RuntimeError(f"twx planner: {actions[:t]} ends the game")
+            res = tw.step(actions[t])
+            _remember(game, actions[: t + 1], res.observation, res.info, res.done)
+        return tw
+
+    def _state(self, actions: tuple[str, ...]) -> tuple[str, dict[str, Any], bool]:
+        """(observation, info, done) after ``actions`` since reset: the cache, else the twin."""
+        game = self._game_id()
+        hit = _TRANSITIONS.get((game, actions))
+        if hit is not None:
+            _TRANSITIONS.move_to_end((game, actions))
+            return hit
+        tw = self._engine_at(actions)
+        return tw.observation, tw.info, tw._done
+
+    def _bfs(self) -> list[str] | None:
+        """Breadth-first search over the admissible actions from the current state, shortest
+        plan first; the same search as ``_bfs_reference`` (same order, same dedup of states by
+        ``_key``, the same node count against ``plan_max_nodes``), but each state's outcome
+        comes from the process's transition cache when some earlier search (this one, another
+        attempt, anchor or instance of the game) reached it, and the twin steps only for states
+        not cached yet, restored only when it does not already stand on the parent."""
+        start = tuple(self._actions)
+        game = self._game_id()
+        # the current state is the root (the engine is deterministic given the actions)
+        _remember(game, start, self._obs, self._info, self._done)
+        seen = {self._key(self._obs, self._info)}
+        frontier: list[tuple[str, ...]] = [()]
+        nodes = 0
+        for _depth in range(self.plan_max_depth):
+            nxt: list[tuple[str, ...]] = []
+            for path in frontier:
+                parent = start + path
+                actions = list(self._state(parent)[1]["admissible"])
+                for a in actions:
+                    if nodes >= self.plan_max_nodes:
+                        return None
+                    nodes += 1
+                    obs, info, done = self._state((*parent, a))
+                    if info["won"]:
+                        return [*path, a]
+                    key = self._key(obs, info)
+                    if not done and key not in seen:
+                        seen.add(key)
+                        nxt.append((*path, a))
+            if not nxt:
+                return None
+            frontier = nxt
+        return None
+
+    def _bfs_reference(self) -> list[str] | None:
+        """The planner before the transition cache (kept to check ``_bfs`` against): every
+        node restores the twin (reset + replay of the whole history), then steps."""
+        if self._ref_planner is None:
+            self._ref_planner = TWXEnv(step_limit=self.step_limit)
+        tw = self._ref_planner
         start = self.snapshot()
         seen = {self._key(self._obs, self._info)}
         frontier: list[list[str]] = [[]]
@@ -283,9 +433,10 @@ class TWXEnv(ReplayEnv):
         return None
 
     def close(self) -> None:
-        if self._planner is not None:
-            self._planner.close()
-            self._planner = None
+        for twin in (self._planner, self._ref_planner):
+            if twin is not None:
+                twin.close()
+        self._planner = self._ref_planner = None
         if self._env is not None:
             try:
                 self._env.close()
