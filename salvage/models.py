@@ -391,17 +391,15 @@ def _tiny_corpus() -> list[str]:
 def _arith_corpus() -> list[str]:
     """Arithmetic prompts in reasoning-gym's ``basic_arithmetic`` form ("Calculate 7 - 3."),
     the plain "What is a + b?" form, SPEC's suffix and answers (``\\boxed{n}``), numbers 0-99."""
-    lines = [PROMPT_SUFFIX_TEXT, "The answer is", "Let's think step by step."]
+    from salvage.tasks.math import PROMPT_SUFFIX
+
+    lines = [PROMPT_SUFFIX, "The answer is", "Let's think step by step."]
     for a in range(100):
         for b in range(0, 100, 3 if a < 10 else 13):
             for op, val in (("+", a + b), ("-", a - b), ("*", a * b)):
-                lines.append(f"Calculate {a} {op} {b}. {PROMPT_SUFFIX_TEXT}")
+                lines.append(f"Calculate {a} {op} {b}. {PROMPT_SUFFIX}")
                 lines.append(f"What is {a} {op} {b}? {a} {op} {b} = {val}. \\boxed{{{val}}}")
     return lines
-
-
-PROMPT_SUFFIX_TEXT = "Let's think step by step and output the final answer within \\boxed{}."
-"""SPEC's math prompt suffix (``salvage.tasks.math.PROMPT_SUFFIX``), for the arithmetic corpus."""
 
 
 def corpus_lines(corpus: str = "mixed") -> list[str]:
