@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from salvage.corpora import CORPORA, corpus_lines
 from salvage.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 BUILTINS = ("tiny", "small", "smollm2-135m-instruct")
 BUILT_FROM_CONFIG = ("tiny", "small")
 """The built-ins made in-process from a config and a tokenizer fit on a corpus (no files)."""
-CORPORA = ("mixed", "twx", "arith")
-"""The corpora a built-in's tokenizer can be fit to (``policy.corpus``)."""
 _SIZES = {"tiny": (64, 2, 512), "small": (256, 4, 1024)}
 """Per built-in: (hidden_size, num_layers, vocab_size) when the config leaves them unset."""
 
@@ -386,35 +385,6 @@ def _tiny_corpus() -> list[str]:
             lines.append(f"Compute {a} * {b} - {b}: \\boxed{{{a * b - b}}}")
     lines.append("0123456789 +-*/=()[]{}<>.,:;!?'\"\\^_|~#$%&@`")
     return lines
-
-
-def _arith_corpus() -> list[str]:
-    """Arithmetic prompts in reasoning-gym's ``basic_arithmetic`` form ("Calculate 7 - 3."),
-    the plain "What is a + b?" form, SPEC's suffix and answers (``\\boxed{n}``), numbers 0-99."""
-    from salvage.tasks.math import PROMPT_SUFFIX
-
-    lines = [PROMPT_SUFFIX, "The answer is", "Let's think step by step."]
-    for a in range(100):
-        for b in range(0, 100, 3 if a < 10 else 13):
-            for op, val in (("+", a + b), ("-", a - b), ("*", a * b)):
-                lines.append(f"Calculate {a} {op} {b}. {PROMPT_SUFFIX}")
-                lines.append(f"What is {a} {op} {b}? {a} {op} {b} = {val}. \\boxed{{{val}}}")
-    return lines
-
-
-def corpus_lines(corpus: str = "mixed") -> list[str]:
-    """The text a built-in tokenizer is fit to (``policy.corpus``)."""
-    if corpus == "mixed":
-        return _tiny_corpus()
-    if corpus == "arith":
-        return _arith_corpus()
-    if corpus == "twx":
-        from importlib.resources import files
-
-        text = files("salvage").joinpath("data/corpus_twx.txt").read_text(encoding="utf-8")
-        # tiny's words too (the tags and the digits): the response format is shared
-        return _tiny_corpus() + text.splitlines()
-    raise ConfigError(f"policy.corpus must be one of {CORPORA}, got {corpus!r}")
 
 
 @functools.lru_cache(maxsize=16)
