@@ -884,9 +884,11 @@ def test_kill_9_of_a_study_stops_its_fit_and_the_next_call_resumes_it(tmp_path):
 
     os.kill(proc.pid, signal.SIGKILL)  # the study only, not its fit
     proc.wait()
-    deadline = time.time() + 10
+    # it ends the update in progress and checkpoints first: seconds, but a CI worker sharing
+    # 2 cores with multi-node tests took over 10 s once, so the bound is generous
+    deadline = time.time() + 90
     while _alive(child):
-        assert time.time() < deadline, "the fit outlived its study by 10 s"
+        assert time.time() < deadline, "the fit outlived its study by 90 s"
         time.sleep(0.1)
     n = _stopped_after(run)  # it got SIGTERM, ended its update and checkpointed
     assert not (run / "done.json").exists()
