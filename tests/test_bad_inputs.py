@@ -141,6 +141,10 @@ def _latin1_metrics_run(t: Path) -> Path:
     return r
 
 
+def _tiny_study(t: Path, head: str = "", methods: str = "{grpo: []}") -> Path:
+    return _jsonl(t, "s.yaml", f"{head}base: {MATH_TINY}\nseeds: [0]\nmethods: {methods}\n")
+
+
 @dataclass
 class Case:
     id: str
@@ -361,6 +365,98 @@ CASES = [
         lambda t, run: ["joint-cost", str(t / "nowhere")],
         lambda t, run: [str(t / "nowhere"), "does not exist"],
     ),
+    # ---- parse errors: one line naming the key, the value, the reason (not the usage text)
+    Case(
+        "parse_unknown_key",
+        lambda t, run: _fit(t, "--model.init_args.no_such_knob", "3"),
+        lambda t, run: ["unknown key model.init_args.no_such_knob", "'3'", "--help"],
+    ),
+    Case(
+        "parse_typo_names_the_nearest_key",
+        lambda t, run: _fit(t, "--model.init_args.lrr", "3"),
+        lambda t, run: ["model.init_args.lrr", "did you mean model.init_args.lr?"],
+    ),
+    Case(
+        "parse_wrong_type",
+        lambda t, run: _fit(t, "--model.init_args.lr", "fast"),
+        lambda t, run: ["model.init_args.lr: expected a float, got 'fast'"],
+    ),
+    Case(
+        "parse_not_finite",
+        lambda t, run: _fit(t, "--model.init_args.lr", "nan"),
+        lambda t, run: ["model.init_args.lr", "'nan' (not a finite number)"],
+    ),
+    Case(
+        "parse_unknown_trainer_key",
+        lambda t, run: _fit(t, "--trainer.max_stepz", "1"),
+        lambda t, run: ["unknown key trainer.max_stepz", "did you mean trainer.max_steps"],
+    ),
+    Case(
+        "parse_nested_value",
+        lambda t, run: _fit(t, "--data.init_args.engine.temperature", "hot"),
+        lambda t, run: ["data.init_args.engine.temperature: expected a float, got 'hot'"],
+    ),
+    # ---- run directories, paths and machine settings (refused before any model loads)
+    Case(
+        "root_dir_is_a_file",
+        lambda t, run: _fit(t, "--trainer.default_root_dir", str(_jsonl(t, "afile", "x"))),
+        lambda t, run: ["trainer.default_root_dir", str(t / "afile"), "is a file"],
+    ),
+    Case(
+        "root_dir_under_a_file",
+        lambda t, run: (
+            _jsonl(t, "afile", "x"),
+            _fit(t, "--trainer.default_root_dir", str(t / "afile" / "run")),
+        )[-1],
+        lambda t, run: [str(t / "afile" / "run"), f"{str(t / 'afile')!r} is a file"],
+    ),
+    Case(
+        "ckpt_path_is_a_directory",
+        lambda t, run: ((t / "d").mkdir(), _fit(t, "--ckpt_path", str(t / "d")))[-1],
+        lambda t, run: ["--ckpt_path", str(t / "d"), "is a directory"],
+    ),
+    Case(
+        "config_is_a_directory",
+        lambda t, run: ((t / "cfg").mkdir(), ["fit", "--config", str(t / "cfg")])[-1],
+        lambda t, run: ["--config", str(t / "cfg"), "is a directory"],
+    ),
+    Case(
+        "seed_too_large",
+        lambda t, run: _fit(t, "--seed_everything", "99999999999999999999"),
+        lambda t, run: ["seed_everything", "99999999999999999999", "4294967295"],
+    ),
+    Case(
+        "webshop_data_files_missing",
+        lambda t, run: (
+            (t / "ws").mkdir(),
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "agent" / "webshop_tiny.yaml"),
+                "--trainer.default_root_dir",
+                str(t / "run"),
+                "--data.init_args.env.train_tasks.data_dir",
+                str(t / "ws"),
+                *QUIET,
+            ],
+        )[-1],
+        lambda t, run: [str(t / "ws"), "items_shuffle.json"],
+    ),
+    Case(
+        "study_out_is_a_file",
+        lambda t, run: ["study", str(_tiny_study(t)), "--out", str(_jsonl(t, "afile", "x"))],
+        lambda t, run: ["--out", str(t / "afile"), "is a file"],
+    ),
+    Case(
+        "study_named_dotdot",
+        lambda t, run: ["study", str(_tiny_study(t, "name: '..'\n"))],
+        lambda t, run: [str(t / "s.yaml"), "name='..'", "plain name"],
+    ),
+    Case(
+        "study_method_maps_to_a_string",
+        lambda t, run: ["study", str(_tiny_study(t, methods="{grpo: hello}"))],
+        lambda t, run: [str(t / "s.yaml"), "methods.grpo='hello'", "not a file"],
+    ),
     # ---- --debug: the traceback instead of the one line
     Case(
         "debug_shows_the_traceback",
@@ -370,6 +466,16 @@ CASES = [
         max_lines=10_000,
     ),
 ]
+
+
+if not torch.cuda.is_available():  # the machines CI runs on
+    CASES.append(
+        Case(
+            "accelerator_gpu_without_one",
+            lambda t, run: _fit(t, "--trainer.accelerator", "gpu"),
+            lambda t, run: ["trainer.accelerator 'gpu'", "no CUDA GPU"],
+        )
+    )
 
 
 @pytest.fixture(scope="module")

@@ -75,3 +75,63 @@ def test_the_handover_names_the_wandb_run_and_the_policies_to_export(tmp_path):
     )
     offline.fail("at start", RuntimeError("no network"))
     assert "not logged" in watch_line(SimpleNamespace(loggers=[csv, offline]))  # type: ignore[arg-type]
+
+
+def test_the_next_commands_start_salvage_the_way_this_process_was_started(tmp_path, monkeypatch):
+    """After `make demo`, `salvage` is .venv/bin/salvage and not on PATH: the printed commands
+    name that path (or `python -m salvage`), so that a copied line runs."""
+    import os
+    import sys
+
+    from salvage.invocation import command
+
+    script = tmp_path / "venv" / "bin" / "salvage"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the venv's bin is not on it
+    assert command(str(script)) == os.path.join("venv", "bin", "salvage")
+    assert command("/elsewhere/bin/salvage") == "/elsewhere/bin/salvage"
+    monkeypatch.setenv("PATH", f"{script.parent}:/usr/bin:/bin")
+    assert command(str(script)) == "salvage"  # PATH finds this very script
+    main_py = str(ROOT / "salvage" / "__main__.py")
+    py = sys.executable
+    shown = command(main_py, py)
+    assert shown.endswith(" -m salvage") and os.path.samefile(
+        shown.removesuffix(" -m salvage"), py
+    ), shown
+    assert command("-m", py) == shown
+    assert command("/usr/lib/python3/pytest") == "salvage"  # main([...]) inside another program
+
+
+def test_a_fit_started_by_its_script_path_prints_that_path(tmp_path):
+    """The real command: `.venv/bin/salvage fit` with the venv's bin off PATH."""
+    import os
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).parent / "salvage"
+    if not exe.exists():  # pragma: no cover - an install without the console script
+        import pytest
+
+        pytest.skip(f"no console script at {exe}")
+    env = dict(os.environ, PATH="/usr/bin:/bin", OMP_NUM_THREADS="1", WANDB_MODE="offline")
+    run = tmp_path / "RUN"
+    proc = subprocess.run(
+        [str(exe), "fit", "--config", MATH_TINY, "--trainer.default_root_dir", str(run)]
+        + ["--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nxt = proc.stdout.split("; next:\n", 1)[1].splitlines()
+    assert nxt[0].strip() == f"{exe} report {run}"
+    # and it runs as printed
+    rep = subprocess.run(
+        shlex.split(nxt[0]), env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert rep.returncode == 0, rep.stderr[-3000:]

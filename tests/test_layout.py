@@ -9,6 +9,9 @@
   not; constructors (``__init__``, which list their documented arguments) are exempt.
 - The commands that read runs (``study``, ``compare``, ``report``, ``joint-cost``) import
   neither Lightning nor torch nor transformers.
+- No two modules import each other, directly or through others, at module level (a
+  ``TYPE_CHECKING`` import counts: the dependency points one way); imports inside a function
+  are not counted.
 - The old module paths (``salvage.cli``, ``salvage.study``, ...) import as the moved
   modules, with a ``DeprecationWarning`` naming the new path; ``python -m salvage.cli``
   still runs the command, with a note on stderr.
@@ -277,3 +280,49 @@ def test_python_m_of_another_old_module_names_the_new_command(old):
     sub = old.split(".")[1]
     assert proc.returncode == 1
     assert f"python -m salvage {sub}" in proc.stderr and OLD_PATHS[old] in proc.stderr
+
+
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def _top_level_imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The salvage modules ``path`` imports outside functions (``if``/``try`` blocks, the
+    ``TYPE_CHECKING`` one included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{up}.{base}" if base else up
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(node.orelse)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return {m for m in found if m in known and m != name}
+
+
+def test_no_import_cycles():
+    paths = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {m: _top_level_imports(p, m, set(paths)) for m, p in paths.items()}
+    cycles = []
+    for start in graph:
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for dep in graph[node]:
+                if dep == start:
+                    cycles.append(" -> ".join([*path, start]))
+                elif dep not in path and len(path) < 6:
+                    stack.append((dep, [*path, dep]))
+    assert cycles == [], cycles[:5]

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from salvage.invocation import command
 from salvage.types import Learner
 
 DEFAULT_KEYS = (
@@ -92,7 +93,8 @@ def handover_lines(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str
     here = os.path.join(root, version) if version else root  # this version's own files
     where = f" ({version})" if version else ""
     lines = [f"salvage: run dir {root}{where}; next:"]
-    lines.append(f"  salvage report {_quote(root)}")
+    run = command()  # as this process was started: `salvage` may not be on PATH
+    lines.append(f"  {run} report {_quote(root)}")
     ckpt = _checkpoint(trainer)
     if ckpt is None:
         lines.append(
@@ -104,10 +106,10 @@ def handover_lines(trainer: L.Trainer, pl_module: L.LightningModule) -> list[str
         pick = f" --policy {names[0]}" if names else ""
         out = os.path.join(here, "hf" + (f"_{names[0]}" if names else ""))
         also = f"  (or --policy {', '.join(names[1:])})" if names else ""
-        lines.append(f"  salvage export {_quote(ckpt)} {_quote(out)}{pick}{also}")
+        lines.append(f"  {run} export {_quote(ckpt)} {_quote(out)}{pick}{also}")
         config = os.path.join(here, "config.yaml")
         if os.path.exists(config):
-            lines.append(f"  salvage test --config {_quote(config)} --ckpt_path {_quote(ckpt)}")
+            lines.append(f"  {run} test --config {_quote(config)} --ckpt_path {_quote(ckpt)}")
     lines.append(f"  {watch_line(trainer)}")
     return lines
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 from jsonargparse import set_parsing_settings
+from jsonargparse._common import debug_mode_active
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -57,6 +58,7 @@ from salvage.checkpointing import (
     read_checkpoint,
 )
 from salvage.commands import EXIT_INTERRUPTED, EXIT_STOPPED
+from salvage.commands.parse_errors import one_line
 from salvage.errors import ConfigError, user_error
 from salvage.loggers import SafeCSVLogger, WandbLogger
 
@@ -85,6 +87,15 @@ def print_memory(cfg: dict[str, Any]) -> None:
     print(format_estimate(plan, estimate(plan)))
 
 
+def _option_strings(parser: Any) -> list[str]:
+    """Every option a parser and its subcommands' parsers take (``--trainer.max_steps``)."""
+    out = list(getattr(parser, "_option_string_actions", {}))
+    subs = getattr(parser, "_subcommands_action", None)
+    for sub in (getattr(subs, "_name_parser_map", None) or {}).values():
+        out += list(getattr(sub, "_option_string_actions", {}))
+    return out
+
+
 class SalvageArgumentParser(LightningArgumentParser):
     """A parse or instantiation error caused by a ``SalvageError`` (a config value a salvage
     class refused) is raised as that error, so ``main`` prints its one line, not
@@ -94,7 +105,13 @@ class SalvageArgumentParser(LightningArgumentParser):
         err = user_error(ex) if ex is not None else None
         if err is not None:
             raise err
-        return super().error(message, ex)
+        if not self.exit_on_error or debug_mode_active() or "subcommand" in message:
+            return super().error(message, ex)  # caught inside, --debug, or a bare `salvage`
+        # one line naming the key, the value and the reason, not the usage text above it
+        parser = getattr(ex, "subcommand_parser", None) or self
+        line = one_line(message, options=_option_strings(parser))
+        print(f"salvage: error: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 class SalvageCLI(LightningCLI):
@@ -176,6 +193,11 @@ class SalvageCLI(LightningCLI):
         )
         return code
 
+    def _set_seed(self) -> None:
+        """Lightning's, after the seed's range is checked (numpy's error, a traceback, else)."""
+        check_seed(self._get(self.config, "seed_everything"))
+        super()._set_seed()
+
     def _parse_ckpt_path(self) -> None:
         """Never read settings from a checkpoint into the config.
 
@@ -203,6 +225,8 @@ class SalvageCLI(LightningCLI):
             stem = Path(files[0]).stem if files else "salvage"
             cfg.trainer.default_root_dir = os.path.join("runs", stem)
         root = cfg.trainer.default_root_dir
+        check_run_dir(root)
+        check_accelerator(cfg.trainer.get("accelerator"))
         self._run_config_yaml = self._parser(sub).dump(cfg, skip_none=False, skip_validation=True)
         if cfg.get("ckpt_path") == "last":  # this run dir's newest checkpoint, any version
             found = find_last_checkpoint(root)
@@ -217,6 +241,11 @@ class SalvageCLI(LightningCLI):
         path = Path(cfg.ckpt_path)
         if not path.exists():
             raise ResumeError(f"--ckpt_path {path}: no such checkpoint")
+        if path.is_dir() and not (path / "meta.pt").exists():
+            raise ResumeError(
+                f"--ckpt_path {path} is a directory, not a checkpoint (a run keeps them as "
+                "RUN/version_N/checkpoints/last.ckpt; --ckpt_path last finds the newest)"
+            )
         stored = _stored_config(path)  # a checkpoint that cannot be read stops here
         if sub != "fit":
             return  # evaluating a checkpoint under another config is normal; weights must fit
@@ -323,6 +352,60 @@ def check_max_steps(max_steps: Any) -> None:
         )
 
 
+def check_run_dir(root: str) -> None:
+    """``trainer.default_root_dir`` is (or can be made) a directory this process can write:
+    not a file, not under a file, not read-only. Creates it."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"trainer.default_root_dir {root!r} is a file, not a directory")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(
+                    f"trainer.default_root_dir {root!r}: {str(parent)!r} is a file, not a directory"
+                )
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".salvage-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"trainer.default_root_dir {root!r} is not writable: {e.strerror or e}"
+        ) from None
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """``trainer.accelerator`` gpu/cuda needs a CUDA device, mps an Apple GPU: refused before
+    anything loads, not in Lightning's traceback."""
+    name = str(accelerator).lower() if isinstance(accelerator, str) else None
+    if name in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"trainer.accelerator {accelerator!r}: this machine has no CUDA GPU "
+                "(torch.cuda.is_available() is False); use cpu or auto"
+            )
+    elif name == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"trainer.accelerator {accelerator!r}: no MPS device here")
+
+
+SEED_MAX = 2**32 - 1  # numpy's RNG, which Lightning's seed_everything seeds too
+
+
+def check_seed(seed: Any) -> None:
+    """``seed_everything`` an integer in [0, 2**32 - 1] (or true/false/null)."""
+    if isinstance(seed, bool) or seed is None:
+        return
+    if not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ConfigError(f"seed_everything must be an integer in [0, {SEED_MAX}], got {seed!r}")
+
+
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config FILE`` on the command line is readable YAML holding a mapping.
 
@@ -331,6 +414,8 @@ def check_config_files(argv: list[str]) -> None:
     paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     for path in paths:
+        if os.path.isdir(path):
+            raise ConfigError(f"--config {path!r} is a directory; expected a YAML file")
         if not os.path.isfile(path):
             if os.path.splitext(path)[1] in (".yaml", ".yml"):
                 raise ConfigError(f"config file {path!r} does not exist")

@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from salvage.errors import ConfigError, DataError
+from salvage.errors import ConfigError, DataError, MissingFileError
 
 FILE_PAIRS = (
     ("items_shuffle.json", "items_ins_v2.json"),
@@ -34,7 +34,7 @@ LUCENE_STOP_WORDS = frozenset(
 def resolve_data_dir(data_dir: str | None) -> Path:
     raw = data_dir or os.environ.get("WEBSHOP_DATA")
     if not raw:
-        raise ValueError(
+        raise ConfigError(
             "webshop needs data_dir (data.env.train_tasks.data_dir / val_tasks.data_dir) or $WEBSHOP_DATA: a "
             "WebShop data folder (items_shuffle*.json, items_ins_v2*.json, items_human_ins.json), or "
             "'synthetic' for the built-in synthetic catalogue"
@@ -51,7 +51,7 @@ def resolve_data_dir(data_dir: str | None) -> Path:
         return ensure_synthetic(int(seed or 0))
     p = Path(os.path.expandvars(str(raw))).expanduser().resolve()
     if not p.is_dir():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"webshop data_dir {str(p)!r} (data_dir or $WEBSHOP_DATA) is not a directory"
         )
     return p
@@ -190,12 +190,12 @@ def _data_files(root: Path) -> tuple[Path, Path]:
     with the human goals."""
     pair = next(((root / a, root / b) for a, b in FILE_PAIRS if (root / a).exists()), None)
     if pair is None:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"webshop: no product file ({' or '.join(a for a, _ in FILE_PAIRS)}) in {root}"
         )
     for f in (pair[1], root / HUMAN_FILE):
         if not f.exists():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"webshop: {f.name} is missing in {root} (needed with {pair[0].name})"
             )
     return pair

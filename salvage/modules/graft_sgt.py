@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -17,11 +17,21 @@ from salvage.lm import target_scores
 from salvage.modules.grpo import Auxiliary, GRPOModule
 from salvage.types import RolloutBatch, SeqTarget
 
-if TYPE_CHECKING:
-    from salvage.modules.graft import GRAFTModule
+
+class PairModule(Protocol):
+    """What ``sgt_step`` needs of ``GRAFTModule`` (structural: this module never imports
+    ``salvage.modules.graft``, which imports it; the dependency points one way)."""
+
+    hparams: Any
+    a: GRPOModule
+    b: GRPOModule
+
+    def _update_both(self, ra: RolloutBatch, rb: RolloutBatch, aux: Any) -> Any: ...
+
+    def record(self, values: dict[str, float]) -> None: ...
 
 
-def sgt_step(module: GRAFTModule, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
+def sgt_step(module: PairModule, ra: RolloutBatch, rb: RolloutBatch, rng: random.Random) -> None:
     """SGT baseline: own groups untouched; NLL on one correct peer response per unsolved prompt.
 
     ``restrict_to_selection``: only on the prompts of GRAFT's complementary, balanced

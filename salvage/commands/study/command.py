@@ -31,6 +31,7 @@ from salvage.commands.study.runner import (
     write_json,
 )
 from salvage.commands.study.spec import Run, Study, load_study, plan
+from salvage.invocation import command
 
 
 def run_study(
@@ -49,7 +50,14 @@ def run_study(
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     study = load_study(path)
     out_dir = Path(out) if out is not None else Path("runs") / "studies" / study.name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    bad = next((q for q in (out_dir, *out_dir.parents) if q.exists() and not q.is_dir()), None)
+    if bad is not None:
+        where = "is a file" if bad == out_dir else f"is under a file ({bad})"
+        raise ValueError(f"--out {out_dir} {where}; a study dir must be a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out_dir} cannot be made: {e.strerror or e}") from None
     held = lock(out_dir / ".lock", f"study dir {out_dir}")
     try:
         with forwarding_signals():
@@ -80,7 +88,7 @@ def _finish(study: Study, runs: list[Run], outcomes: list[Outcome], out_dir: Pat
         return stop_code()
     if stopped:
         return EXIT_STOPPED
-    print(f"study {study.name}: all {len(runs)} runs done; next: salvage compare {out_dir}")
+    print(f"study {study.name}: all {len(runs)} runs done; next: {command()} compare {out_dir}")
     return 0
 
 

@@ -279,8 +279,14 @@ def load_study(path: str | Path) -> Study:
     file = Path(path)
     spec = _read_spec(path)
     name = spec.get("name", file.stem)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise _err(file, "name", name, "must be a non-empty name without '/'")
+    if not isinstance(name, str) or not METHOD_NAME.fullmatch(name):
+        raise _err(
+            file,
+            "name",
+            name,
+            "must be a plain name: letters, digits, '_', '.', '-', not starting with '.' or '-' "
+            "(the default study dir is runs/studies/<name>)",
+        )
     base_raw = spec.get("base")
     if base_raw is None:
         raise _err(file, "base", base_raw, "is required (a config path or a list of them)")
