@@ -11,6 +11,7 @@ from salvage.datamodules.base import RolloutDataModule
 from salvage.datamodules.repeats import RepeatedTest
 from salvage.errors import ConfigError, DataError
 from salvage.rollout.config import EngineConfig, generate_with_retry
+from salvage.stopping import user_call
 from salvage.tasks.math import (
     MathData,
     MathTask,
@@ -235,6 +236,12 @@ class RLVRDataModule(RepeatedTest, RolloutDataModule):
     def _score_samples(self, tasks: list[MathTask], samples: list[list[Sample]]) -> list[Group]:
         """Score every sample with the verifier: one group of trajectories per task."""
         groups: list[Group] = []
+        with user_call("reward call"):  # SIGTERM: the stop grace, not a wait on a hung reward
+            return self._score_all(tasks, samples, groups)
+
+    def _score_all(
+        self, tasks: list[MathTask], samples: list[list[Sample]], groups: list[Group]
+    ) -> list[Group]:
         for task, group_samples in zip(tasks, samples, strict=True):
             trajs = []
             for s in group_samples:

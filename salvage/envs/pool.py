@@ -24,6 +24,7 @@ from typing import Any
 
 from salvage.envs import make_env
 from salvage.envs.base import ReplayEnv
+from salvage.stopping import user_call
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +286,11 @@ class EnvPool:
             tr["observation"] = res.value.observation
 
     def _run(self, ops: list[tuple[str, int, Any]]) -> list[EnvResult]:
+        """Every op's result; a SIGTERM meanwhile gives it the stop grace (salvage.stopping)."""
+        with user_call(f"environment {ops[0][0] if ops else 'call'}"):
+            return self._run_ops(ops)
+
+    def _run_ops(self, ops: list[tuple[str, int, Any]]) -> list[EnvResult]:
         results: list[EnvResult | None] = [None] * len(ops)
         if self._local is not None:
             done: list[EnvResult] = []
