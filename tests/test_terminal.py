@@ -66,3 +66,20 @@ def test_the_step_bar_counts_updates_against_max_steps():
     assert bar._get_train_description(3) == "updates"
     assert bar.total_train_batches == 7
     assert trainer.progress_bar_callback is bar
+
+
+def test_vllm_start_up_lines_are_silenced_unless_verbose(monkeypatch):
+    """vLLM reads VLLM_LOGGING_LEVEL when it is imported (an engine build, after this) and
+    its workers inherit it; --verbose skips quiet_third_parties, so its lines come back."""
+    import os
+
+    from salvage.commands.cli import quiet_third_parties
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    quiet_third_parties(heavy=False)  # study / compare / report never build an engine
+    assert "VLLM_LOGGING_LEVEL" not in os.environ
+    quiet_third_parties()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")  # a user's own choice stands
+    quiet_third_parties()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"

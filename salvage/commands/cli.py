@@ -97,6 +97,9 @@ def quiet_third_parties(heavy: bool = True) -> None:
     warnings.filterwarnings("ignore", message=r".*(LeafSpec|litlogger|LitLogger).*")
     if not heavy:
         return
+    # vLLM (imported later, when an engine is built) reads its level from the environment,
+    # and its workers inherit it: start-up INFO and WARNING lines only with --verbose
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         from transformers.utils import logging as hf_logging
 
