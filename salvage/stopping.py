@@ -59,7 +59,7 @@ class _Stop:
         self.started = False
         self.expired = False
         self.timers: list[threading.Timer] = []
-        self.main = threading.main_thread().ident
+        self.main = threading.main_thread().ident or 0
 
     def start(self) -> None:
         self.started = True

@@ -22,7 +22,9 @@ class PairModule(Protocol):
     """What ``sgt_step`` needs of ``GRAFTModule`` (structural: this module never imports
     ``salvage.modules.graft``, which imports it; the dependency points one way)."""
 
-    hparams: Any
+    @property
+    def hparams(self) -> Any: ...
+
     a: GRPOModule
     b: GRPOModule
 
