@@ -333,3 +333,30 @@ def test_vllm_fit_leaves_no_temporary_checkpoint(tmp_path, monkeypatch):
     data = _math_fit(tmp_path, _cfg(max_new_tokens=4), {"hidden_size": 256})
     assert data.live_engines() == []
     assert not list(Path(tempfile.gettempdir()).glob(SOURCE_PREFIX + "*"))
+
+
+def test_vllms_temporary_files_go_in_a_dir_the_sweep_owns(tmp_path, monkeypatch):
+    """vLLM's FileStore rendezvous is ``tempfile.gettempdir()/vllm_dist_<hex>``
+    (``vllm.utils.network_utils.get_file_store_init_method``, 0.32): during a build it lands
+    in ``salvage-vllm-<pid>-tmp-*``, which the next build removes once the pid is gone."""
+    import tempfile
+
+    from salvage.rollout import vllm_support
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with vllm_support.owned_tempdir() as d:
+        assert tempfile.gettempdir() == str(d) == os.environ["TMPDIR"]
+        assert d.parent == tmp_path and d.name.startswith(f"{SOURCE_PREFIX}{os.getpid()}-tmp-")
+        store = Path(tempfile.gettempdir()) / "vllm_dist_0123abcd"  # as vLLM names it
+        store.write_bytes(b"")
+    assert os.environ["TMPDIR"] == str(tmp_path) and tempfile.tempdir is None
+    # a killed process's dir (pid 2**22 + 1: above Linux's pid_max default) is swept
+    dead = tmp_path / f"{SOURCE_PREFIX}{2**22 + 1}-tmp-xyz"
+    dead.mkdir()
+    (dead / "vllm_dist_deadbeef").write_bytes(b"")
+    with vllm_support.owned_tempdir():
+        pass
+    assert not dead.exists() and store.exists()  # this process's own stays until its exit
+    vllm_support._remove_owned_dirs()
+    assert not d.exists()

@@ -35,6 +35,7 @@ from salvage.rollout.vllm_support import (
     TempCheckpoint,
     _source,
     iter_full_parameters,
+    owned_tempdir,
     platform_facts,
 )
 
@@ -175,7 +176,7 @@ def _new_llm(kwargs: dict[str, Any], facts: PlatformFacts | None, kv_gib: int, f
         if not frozen:
             ops._supports_onednn = False
     try:
-        with preserved_rng():
+        with preserved_rng(), owned_tempdir():  # vLLM's vllm_dist_* under a swept dir
             return LLM(**kwargs)
     finally:
         if is_cpu:

@@ -5,6 +5,8 @@ the process that wrote one is gone)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -122,6 +124,44 @@ def sweep_stale_checkpoints(tmp: str | None = None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+_OWNED_DIRS: list[Path] = []
+
+
+def _remove_owned_dirs() -> None:
+    for d in _OWNED_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+    _OWNED_DIRS.clear()
+
+
+atexit.register(_remove_owned_dirs)
+on_hard_exit(_remove_owned_dirs)
+
+
+@contextlib.contextmanager
+def owned_tempdir(tmp: str | None = None) -> Iterator[Path]:
+    """While an engine is built, vLLM's own temporary files go in a dir named for this
+    process: its FileStore rendezvous (``vllm_dist_<hex>``, made in
+    ``tempfile.gettempdir()`` by ``get_file_store_init_method``) would otherwise outlive a
+    ``kill -9`` in ``$TMPDIR``. The dir (``salvage-vllm-<pid>-tmp-*``) is removed at exit,
+    before a hard exit, and by the next build's sweep once its process is gone; ``TMPDIR``
+    and ``tempfile.tempdir`` are put back after the build."""
+    env_before, cached_before = os.environ.get("TMPDIR"), tempfile.tempdir
+    base = tmp or tempfile.gettempdir()
+    sweep_stale_checkpoints(base)
+    d = Path(tempfile.mkdtemp(prefix=f"{SOURCE_PREFIX}{os.getpid()}-tmp-", dir=base))
+    _OWNED_DIRS.append(d)
+    os.environ["TMPDIR"] = str(d)
+    tempfile.tempdir = str(d)
+    try:
+        yield d
+    finally:
+        tempfile.tempdir = cached_before
+        if env_before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = env_before
 
 
 class TempCheckpoint:
