@@ -643,8 +643,9 @@ def test_fit_recovers_from_a_hung_generate_call(tmp_path):
 def test_fit_fails_with_a_clear_error_when_the_rebuilt_engine_fails_too(tmp_path):
     code, err, _ = _fault_fit(tmp_path, "raise-always", 600)
     assert code not in (0, 75, 130), err[-3000:]
-    line = "RolloutEngineError: rollout engine failed twice (the second time rebuilt)"
-    assert line in err and "injected engine fault 2" in err
+    line = "salvage: error: rollout engine failed twice (the second time rebuilt)"
+    assert code == 1 and line in err and "injected engine fault 2" in err, err[-3000:]
+    assert "Traceback" not in err  # one line, not the stack (issue 47 item 8)
     assert err.count("REBUILD") == 1
 
 

@@ -22,6 +22,8 @@ Only the subcommand's own module is imported: Lightning and torch load for ``fit
   path; an unreadable ``--config`` YAML) prints one line ``salvage: error: ...`` naming
   the file or key and exits with status 2; ``--debug`` anywhere shows the traceback;
   ``--verbose`` keeps the third-party messages that are silenced by default.
+- A rollout engine that failed twice (the second time rebuilt; a generate timeout included)
+  is one line ``salvage: error: rollout engine failed ...``, exit 1 (``--debug``: traceback).
 - Exit status: 0 when the subcommand finished; 2 for a user error; 75 (``EX_TEMPFAIL``) when
   ``fit``/``validate``/``test`` was stopped by SIGTERM, 130 when stopped by SIGINT (both
   resumable with ``--ckpt_path last``); anything else is a failure.
@@ -122,6 +124,23 @@ def _run_debug(argv: list[str], from_sys_argv: bool) -> None:
             os.environ["JSONARGPARSE_DEBUG"] = before
 
 
+def _engine_error(exc: BaseException) -> BaseException | None:
+    """The ``RolloutEngineError`` behind ``exc`` (a rollout engine that failed on a rebuilt
+    engine too), if any: the class is looked up only when the rollout module is loaded."""
+    cls = getattr(sys.modules.get("salvage.rollout.config"), "RolloutEngineError", None)
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while cls is not None and todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, cls):
+            return e
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     """Run a subcommand; a user error is one line on stderr (exit 2), ``--debug`` re-raises,
     ``--verbose`` keeps third-party messages (silenced by default)."""
@@ -137,7 +156,13 @@ def main(args: list[str] | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - only user errors are shortened, the rest re-raised
         err = user_error(e)
         if err is None:
-            raise
+            engine = _engine_error(e)
+            if engine is None:
+                raise
+            # an engine that failed twice (a timeout included): its one line, exit 1
+            msg = " ".join(str(engine).split())
+            print(f"salvage: error: {msg} (--debug for the traceback)", file=sys.stderr)
+            raise SystemExit(1) from None
         msg = " ".join(str(err).split())
         print(f"salvage: error: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
