@@ -25,9 +25,8 @@ class MissingFileError(ConfigError, FileNotFoundError):
     """A file or directory the config names does not exist (names the key and the path)."""
 
 
-def user_error(exc: BaseException) -> SalvageError | None:
-    """The ``SalvageError`` behind ``exc`` (itself, or a cause or context a library such as
-    jsonargparse wrapped it in), if any."""
+def in_chain(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
+    """The first ``cls`` among ``exc`` and the causes and contexts behind it, if any."""
     seen: set[int] = set()
     todo: list[BaseException | None] = [exc]
     while todo:
@@ -35,7 +34,14 @@ def user_error(exc: BaseException) -> SalvageError | None:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, SalvageError):
+        if isinstance(e, cls):
             return e
         todo += [e.__cause__, e.__context__]
     return None
+
+
+def user_error(exc: BaseException) -> SalvageError | None:
+    """The ``SalvageError`` behind ``exc`` (itself, or a cause or context a library such as
+    jsonargparse wrapped it in), if any."""
+    found = in_chain(exc, SalvageError)
+    return found if isinstance(found, SalvageError) else None

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable
 
 from salvage.commands import EXIT_INTERRUPTED, EXIT_STOPPED
-from salvage.errors import user_error
+from salvage.errors import in_chain, user_error
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_STOPPED", "main", "quiet_third_parties", "user_error"]
 
@@ -128,17 +128,7 @@ def _engine_error(exc: BaseException) -> BaseException | None:
     """The ``RolloutEngineError`` behind ``exc`` (a rollout engine that failed on a rebuilt
     engine too), if any: the class is looked up only when the rollout module is loaded."""
     cls = getattr(sys.modules.get("salvage.rollout.config"), "RolloutEngineError", None)
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while cls is not None and todo:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, cls):
-            return e
-        todo += [e.__cause__, e.__context__]
-    return None
+    return None if cls is None else in_chain(exc, cls)
 
 
 def main(args: list[str] | None = None) -> None:
