@@ -40,8 +40,8 @@ def test_a_committed_table_is_what_its_record_gives(study, table, tmp_path):
 def test_every_run_of_a_record_holds_its_metrics_and_config():
     for record in sorted(RESULTS.glob("*/record")):
         # record runs and calibration runs (a study stopped at its regime check has only these)
-        runs = [d for d in [*record.glob("*/seed*"), *record.glob("_calibration/*/seed*")]]
-        runs = [d for d in runs if d.is_dir()]
+        found = [*record.glob("*/seed*"), *record.glob("_calibration/*/seed*")]
+        runs = [d for d in found if d.is_dir()]
         assert runs, f"{record}: no runs"
         for run in runs:
             if not (run / "done.json").exists():
