@@ -357,6 +357,10 @@ def test_vllms_temporary_files_go_in_a_dir_the_sweep_owns(tmp_path, monkeypatch)
     (dead / "vllm_dist_deadbeef").write_bytes(b"")
     with vllm_support.owned_tempdir():
         pass
-    assert not dead.exists() and store.exists()  # this process's own stays until its exit
-    vllm_support._remove_owned_dirs()
-    assert not d.exists()
+    assert not dead.exists() and store.exists()  # this process's own stays until its engine ends
+    with vllm_support.owned_tempdir() as other:
+        pass
+    vllm_support.remove_owned_dir(d)  # an engine's shutdown removes its own dir, not another's
+    assert not d.exists() and other.exists() and d not in vllm_support._OWNED_DIRS
+    vllm_support._remove_owned_dirs()  # and exit removes the rest
+    assert not other.exists()

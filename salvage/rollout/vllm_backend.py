@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from salvage.rollout.vllm_support import (
     iter_full_parameters,
     owned_tempdir,
     platform_facts,
+    remove_owned_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class _Backend:
         facts: PlatformFacts | None = None,
         kv_gib: int = 0,
         checkpoint: TempCheckpoint | None = None,
+        tmpdir: Path | None = None,
     ):
         self.llm = llm
         self.model = model
@@ -70,6 +73,8 @@ class _Backend:
         self.kv_gib = kv_gib
         """Its CPU KV cache (GiB; 0 on a GPU)."""
         self.checkpoint = checkpoint
+        self.tmpdir = tmpdir
+        """The dir vLLM's own temporary files went in while ``llm`` was built."""
         self.rebuilds = 0
         self.users = 0
         """Engines using it (evaluation shares the training engine's)."""
@@ -118,6 +123,9 @@ class _Backend:
                 log.warning("vLLM engine shutdown failed: %r", e)
         del llm, core
         gc.collect()
+        if self.tmpdir is not None:
+            remove_owned_dir(self.tmpdir)
+            self.tmpdir = None
 
     def rebuild(self) -> None:
         """Dispose of this ``LLM`` (after an error inside it) and build a new one with the
@@ -132,7 +140,7 @@ class _Backend:
                 f"alone (its weight sync is collective)"
             )
         self._shutdown_llm()
-        self.llm = _new_llm(self.build, self.facts, self.kv_gib, self.frozen)
+        self.llm, self.tmpdir = _new_llm(self.build, self.facts, self.kv_gib, self.frozen)
         self.sync = SyncState(self.frozen)
         self.asleep = False
         self.rebuilds += 1
@@ -147,9 +155,11 @@ class _Backend:
             self.checkpoint.remove()
 
 
-def _new_llm(kwargs: dict[str, Any], facts: PlatformFacts | None, kv_gib: int, frozen: bool) -> Any:
-    """``vllm.LLM(**kwargs)``, with the CPU platform's process-wide settings applied for the
-    build and put back after it:
+def _new_llm(
+    kwargs: dict[str, Any], facts: PlatformFacts | None, kv_gib: int, frozen: bool
+) -> tuple[Any, Path]:
+    """``vllm.LLM(**kwargs)`` and the dir its temporary files went in, with the CPU
+    platform's process-wide settings applied for the build and put back after it:
 
     - ``VLLM_CPU_KVCACHE_SPACE`` = ``kv_gib`` (``platforms/cpu.py`` reads it from
       ``os.environ`` at each build: the KV cache size);
@@ -176,8 +186,12 @@ def _new_llm(kwargs: dict[str, Any], facts: PlatformFacts | None, kv_gib: int, f
         if not frozen:
             ops._supports_onednn = False
     try:
-        with preserved_rng(), owned_tempdir():  # vLLM's vllm_dist_* under a swept dir
-            return LLM(**kwargs)
+        with preserved_rng(), owned_tempdir() as tmpdir:  # vLLM's vllm_dist_* under a swept dir
+            try:
+                return LLM(**kwargs), tmpdir
+            except BaseException:
+                remove_owned_dir(tmpdir)
+                raise
     finally:
         if is_cpu:
             ops._supports_onednn = onednn_before
@@ -228,13 +242,21 @@ def _build_backend(
     )
     _add_platform_kwargs(kwargs, model, max_model_len, recompute_logprobs, facts)
     try:
-        llm = _new_llm(kwargs, facts, kv_gib, frozen)
+        llm, tmpdir = _new_llm(kwargs, facts, kv_gib, frozen)
     except BaseException:
         if checkpoint is not None:
             checkpoint.remove()
         raise
     backend = _Backend(
-        llm, model, level, frozen, build=kwargs, facts=facts, kv_gib=kv_gib, checkpoint=checkpoint
+        llm,
+        model,
+        level,
+        frozen,
+        build=kwargs,
+        facts=facts,
+        kv_gib=kv_gib,
+        checkpoint=checkpoint,
+        tmpdir=tmpdir,
     )
     if level:
         REGISTRY.claim_sleep(backend)

@@ -135,6 +135,13 @@ def _remove_owned_dirs() -> None:
     _OWNED_DIRS.clear()
 
 
+def remove_owned_dir(d: Path) -> None:
+    """Remove one engine's dir once that engine is shut down (its rendezvous is done with)."""
+    shutil.rmtree(d, ignore_errors=True)
+    if d in _OWNED_DIRS:
+        _OWNED_DIRS.remove(d)
+
+
 atexit.register(_remove_owned_dirs)
 on_hard_exit(_remove_owned_dirs)
 
@@ -144,8 +151,9 @@ def owned_tempdir(tmp: str | None = None) -> Iterator[Path]:
     """While an engine is built, vLLM's own temporary files go in a dir named for this
     process: its FileStore rendezvous (``vllm_dist_<hex>``, made in
     ``tempfile.gettempdir()`` by ``get_file_store_init_method``) would otherwise outlive a
-    ``kill -9`` in ``$TMPDIR``. The dir (``salvage-vllm-<pid>-tmp-*``) is removed at exit,
-    before a hard exit, and by the next build's sweep once its process is gone; ``TMPDIR``
+    ``kill -9`` in ``$TMPDIR``. The dir (``salvage-vllm-<pid>-tmp-*``) is removed when its
+    engine shuts down (``remove_owned_dir``), at exit, before a hard exit, and by the next
+    build's sweep once its process is gone; ``TMPDIR``
     and ``tempfile.tempdir`` are put back after the build."""
     env_before, cached_before = os.environ.get("TMPDIR"), tempfile.tempdir
     base = tmp or tempfile.gettempdir()
