@@ -96,6 +96,27 @@ def test_weight_metrics_by_hand():
     assert weight_metrics([]) == {"graft/weight_mean": 0.0}
 
 
+def test_admission_metrics_by_hand():
+    from salvage.core.exchange import admission_metrics
+
+    def row(success, admitted):
+        return {"success": success, "admitted": admitted}
+
+    # 4 correct responses, 1 admitted: 0.25; 2 incorrect, both admitted: 1.0; gap -0.75
+    rows = [row(True, True), row(True, False), row(True, False), row(True, False)]
+    rows += [row(False, True), row(False, True)]
+    assert admission_metrics(rows) == {
+        "graft/admitted_correct_frac": 0.25,
+        "graft/admitted_incorrect_frac": 1.0,
+        "graft/admission_gap": -0.75,
+    }
+    # only correct ones transferred (stored success-only logs): no incorrect fraction, no gap
+    assert admission_metrics([row(True, True), row(True, False)]) == {
+        "graft/admitted_correct_frac": 0.5
+    }
+    assert admission_metrics([]) == {}
+
+
 def test_transfer_rows_by_hand():
     from salvage.core.exchange import transfer_rows
 

@@ -151,6 +151,40 @@ def test_fit_exchanges_both_directions_peer_last(tmp_path):
     assert "b/loss/peer_clip_frac" in m and "a/loss/peer_clip_frac" in m
     rec = [json.loads(x) for x in Path(trainer.log_dir, "exchange.jsonl").read_text().splitlines()]
     assert rec[0]["a_to_b"] == [0] and rec[0]["b_to_a"] == [1] and len(rec[0]["weights"]) == 8
+    # gate off: every peer response is admitted, correct and incorrect alike
+    assert float(m["graft/admitted_correct_frac"]) == 1.0
+    assert float(m["graft/admitted_incorrect_frac"]) == 1.0
+    assert float(m["graft/admission_gap"]) == 0.0
+
+
+def test_fit_logs_what_the_gate_admitted_by_outcome(tmp_path):
+    """With the gate on, the logged admitted fractions by outcome are exchange.jsonl's: the
+    3 correct (A's 1 of 4, B's 2 of 4) and 5 incorrect peer responses of the scripted step."""
+    module = GRAFTModule(lr=1e-3, micro_batch_size=8, gate=True)
+    data = ScriptedOutcomes(
+        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
+        prompts_per_step=4,
+        group_size=4,
+        engine=EngineConfig(max_new_tokens=8),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    m = trainer.callback_metrics
+    rec = json.loads(Path(trainer.log_dir, "exchange.jsonl").read_text().splitlines()[0])
+    correct = [r["admitted"] for r in rec["responses"] if r["success"]]
+    incorrect = [r["admitted"] for r in rec["responses"] if not r["success"]]
+    assert (len(correct), len(incorrect)) == (3, 5)
+    assert all(r["admitted"] == (r["weight"] > 0) for r in rec["responses"])
+    assert float(m["graft/admitted_correct_frac"]) == pytest.approx(sum(correct) / 3)
+    assert float(m["graft/admitted_incorrect_frac"]) == pytest.approx(sum(incorrect) / 5)
+    assert float(m["graft/admission_gap"]) == pytest.approx(sum(correct) / 3 - sum(incorrect) / 5)
 
 
 def test_cli_graft_math_tiny_logs_graft_metrics(tmp_path):

@@ -32,7 +32,12 @@ from typing import Any
 
 import lightning as L
 
-from salvage.core.exchange import ExchangeRules, transfer_rows, weight_metrics
+from salvage.core.exchange import (
+    ExchangeRules,
+    admission_metrics,
+    transfer_rows,
+    weight_metrics,
+)
 from salvage.core.graft import plan_minibatches, select_unidirectional
 from salvage.core.grpo import assign_advantages
 from salvage.core.seeds import STORED_ADMISSION, step_seed
@@ -218,7 +223,7 @@ class StoredPeer(L.Callback):
                 random.Random(step_seed(self.seed, step, STORED_ADMISSION)),
             )
         self.transferred += len(prompts)
-        self._write_exchange(trainer, step, batch, prompts, weights)
+        rows = self._write_exchange(trainer, step, batch, prompts, weights)
         batch.minibatch_groups = plan_minibatches(
             [g.peer for g in batch.groups],
             "peer-last",
@@ -231,6 +236,7 @@ class StoredPeer(L.Callback):
                 "graft/transferred_stored_cum": float(self.transferred),
             }
             | weight_metrics(weights)
+            | admission_metrics(rows)
         )
 
     def _peer_group(self, g: Group, p: dict[str, Any], dm: RLVRDataModule, step: int) -> Group:
@@ -271,15 +277,18 @@ class StoredPeer(L.Callback):
         batch: RolloutBatch,
         prompts: list[int],
         weights: list[float],
-    ) -> None:
-        """Append the step's transfers to the run's ``exchange.jsonl`` (as GRAFT's)."""
+    ) -> list[dict[str, Any]]:
+        """Append the step's transfers to the run's ``exchange.jsonl`` (as GRAFT's); its
+        per-response rows."""
+        rows = transfer_rows(batch.groups, prompts, "stored", "self", step)
         record = {
             "step": step,
             "transfers": {"stored_to_self": prompts},
             "weights": weights,
             "delta": self.rules.delta,
             "gate": self.rules.gate,
-            "responses": transfer_rows(batch.groups, prompts, "stored", "self", step),
+            "responses": rows,
         }
         with run_file(trainer, "exchange").open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        return rows

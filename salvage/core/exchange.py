@@ -238,6 +238,24 @@ def weight_metrics(weights: Sequence[float]) -> dict[str, float]:
     }
 
 
+def admission_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """What the gate let in, by outcome, from an update's ``transfer_rows``:
+    ``graft/admitted_correct_frac`` (of the peer's successful responses, the fraction
+    admitted) and ``graft/admitted_incorrect_frac`` (of its failed ones); each only when
+    the update transferred such responses; and ``graft/admission_gap``, the first minus the
+    second, when both are there (a complementary group always holds both). A gate that
+    reads compatibility as quality has a gap >= 0."""
+    values = {}
+    for key, outcome in (("correct", True), ("incorrect", False)):
+        mine = [r["admitted"] for r in rows if bool(r["success"]) is outcome]
+        if mine:
+            values[f"graft/admitted_{key}_frac"] = sum(mine) / len(mine)
+    if len(values) == 2:
+        gap = values["graft/admitted_correct_frac"] - values["graft/admitted_incorrect_frac"]
+        values["graft/admission_gap"] = gap
+    return values
+
+
 def transfer_rows(
     groups: Sequence[Group], prompts: Sequence[int], source: str, receiver: str, step: int
 ) -> list[dict[str, Any]]:

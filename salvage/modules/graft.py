@@ -34,6 +34,7 @@ from typing import Any, cast
 
 from salvage.core.exchange import (
     ExchangeRules,
+    admission_metrics,
     exchange_metrics,
     moved_turns,
     peer_responses,
@@ -307,7 +308,9 @@ class GRAFTModule(CoTrainModule):
         self._order(rb, rng)
         va, vb = self._update_both(ra, rb)
         weights = w_a + w_b
-        self.record(exchange_metrics(va, vb, tr, weights, live_ab, live_ba))
+        self.record(
+            exchange_metrics(va, vb, tr, weights, live_ab, live_ba) | admission_metrics(rows)
+        )
         self._write(
             {
                 "step": self.global_step - 1,

@@ -22,7 +22,12 @@ from __future__ import annotations
 import random
 from typing import Any, cast
 
-from salvage.core.exchange import episode_logprobs, transfer_rows, weight_metrics
+from salvage.core.exchange import (
+    admission_metrics,
+    episode_logprobs,
+    transfer_rows,
+    weight_metrics,
+)
 from salvage.core.graft import compatibility, mean_logprob
 from salvage.core.peers import (
     SOURCE_RULES,
@@ -174,6 +179,7 @@ class PeerGroupModule(GRAFTModule):
             self._order(b, rng)
         per_model = self._update_all(batches)
         values = self._peer_metrics(per_model, pairs, sends, proposed, total, weights)
+        values.update(admission_metrics(rows))
         self._step_log.update(values)
         self.log_dict(values, on_step=True, on_epoch=False, logger=False)
         self._write(
