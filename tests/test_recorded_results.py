@@ -61,3 +61,21 @@ def test_every_study_with_a_table_has_its_record():
     missing = [d.name for d in sorted(RESULTS.iterdir()) if (d / "compare.md").exists()]
     missing = [s for s in missing if not (RESULTS / s / "record").is_dir()]
     assert missing == []
+
+
+def test_the_recorded_graft_calibrations_gate_admits_more_incorrect_than_correct():
+    """The GRAFT scale model's first calibration (12 / 24 prompts of the peer's skill in the
+    warm start) fails the admission criterion: recomputed per update from its exchange
+    records with the function the runs now log it with, the mean gap is below 0."""
+    import gzip
+    import json
+
+    from salvage.core.exchange import admission_metrics
+
+    path = RESULTS / "graft_arith_small/record/_calibration/graft/seed0/version_0"
+    with gzip.open(path / "exchange.jsonl.gz", "rt", encoding="utf-8") as f:
+        steps = [json.loads(line) for line in f]
+    gaps = [admission_metrics(s["responses"]).get("graft/admission_gap") for s in steps]
+    kept = [g for g in gaps if g is not None]
+    assert len(steps) == 400 and len(kept) == 400
+    assert sum(kept) / len(kept) == pytest.approx(-0.0665, abs=5e-4)
