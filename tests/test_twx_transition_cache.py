@@ -39,3 +39,40 @@ def test_cached_plans_equal_the_reference_and_step_the_engine_less():
         assert cold1 < cold0, plans
     finally:
         env.close()
+
+
+def test_the_reference_planner_is_a_switch_with_the_same_oracle_actions():
+    """``planner: reference`` (the search before the cache, for before/after benchmarks)
+    plays the same oracle actions from a restored state; a bad value names the field."""
+    import pytest
+
+    from salvage.envs import twx
+    from salvage.envs.twx import TWXEnv
+    from salvage.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"planner='bfs'.*cached, reference"):
+        TWXEnv(planner="bfs")  # refused before any engine starts
+    needs_twx()
+
+    task = TWXEnv.list_tasks("train", game="twc", params=TWC2, num_tasks=1, seed_offset=2)[0]
+    played = {}
+    for planner in ("reference", "cached"):
+        twx._PLANS.clear()
+        twx._TRANSITIONS.clear()
+        env = TWXEnv(plan_max_nodes=400, planner=planner)
+        try:
+            env.reset(task, 0)
+            env.step(random.Random(3).choice(env.info["admissible"]))  # a student's action
+            actions = []
+            while (a := env.oracle_action()) is not None and len(actions) < 8:
+                actions.append(a)
+                env.step(a)
+            played[planner] = (actions, env.info["won"])
+            ref_twin, twin = env._ref_planner, env._planner
+            assert (ref_twin is not None, twin is not None) == (
+                planner == "reference",
+                planner == "cached",
+            )  # each planner searched with its own twin only
+        finally:
+            env.close()
+    assert played["reference"] == played["cached"] and played["cached"][1], played

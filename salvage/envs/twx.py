@@ -27,6 +27,7 @@ from collections import OrderedDict
 from typing import Any, ClassVar
 
 from salvage.envs.base import ReplayEnv
+from salvage.errors import ConfigError
 
 GAMES = (
     "coin",
@@ -61,6 +62,10 @@ _PLANS: OrderedDict[tuple[Any, ...], tuple[str, ...] | None] = OrderedDict()
 of the process: the search is deterministic, so asking again only repeats it (VH-GPO's
 teacher attempts from one anchor all plan from the same state)."""
 
+PLANNERS = ("cached", "reference")
+"""``TWXEnv(planner=...)``: the oracle's breadth-first search with the transition cache, or
+the one before it (``_bfs_reference``)."""
+
 TRANSITION_CACHE_SIZE = 200_000
 """Engine states kept per process for the planner (least recently used dropped first)."""
 _TRANSITIONS: OrderedDict[tuple[Any, ...], tuple[str, dict[str, Any], bool]] = OrderedDict()
@@ -85,9 +90,24 @@ class TWXEnv(ReplayEnv):
     name: ClassVar[str] = "twx"
 
     def __init__(
-        self, step_limit: int = 100, plan_max_nodes: int = 400, plan_max_depth: int = 30
+        self,
+        step_limit: int = 100,
+        plan_max_nodes: int = 400,
+        plan_max_depth: int = 30,
+        planner: str = "cached",
     ) -> None:
+        """Args:
+        step_limit: the engine's step limit per game (``done`` past it).
+        plan_max_nodes: the oracle's breadth-first search gives up after this many nodes.
+        plan_max_depth: ... and below this depth.
+        planner: the oracle's search: ``cached`` (reads the process's transition cache) or
+            ``reference`` (the search before it: a reset and replay per node; same plans,
+            kept for checks and before/after benchmarks).
+        """
         super().__init__()
+        if planner not in PLANNERS:
+            raise ConfigError(f"twx env planner={planner!r}: must be one of {', '.join(PLANNERS)}")
+        self.planner = planner
         self.step_limit = step_limit
         self.plan_max_nodes = plan_max_nodes
         self.plan_max_depth = plan_max_depth
@@ -276,7 +296,7 @@ class TWXEnv(ReplayEnv):
             cached = _PLANS[key]
             found = list(cached) if cached is not None else None
         else:
-            found = self._bfs()
+            found = self._bfs() if self.planner == "cached" else self._bfs_reference()
             _PLANS[key] = tuple(found) if found else None
             if len(_PLANS) > PLAN_CACHE_SIZE:
                 _PLANS.popitem(last=False)
