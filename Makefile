@@ -81,12 +81,13 @@ $(VLLM_STAMP): $(VLLM_DEPS_STAMP) pyproject.toml Makefile
 
 # every vLLM test on vLLM's CPU build, then the CPU-possible checks of gpu_check_vllm.py: fits
 # with engine.backend vllm (GRPO; VH-GPO with a frozen LM teacher; GRAFT's two engines) and
-# the engine checks (weight sync, seeds, greedy equal to the HF engine's, fp32 log-probs)
+# the engine checks (weight sync, seeds, greedy equal to the HF engine's, fp32 log-probs of a
+# random Qwen2 and of SmolLM2-135M)
 test-vllm: install-vllm
 	OMP_NUM_THREADS=1 $(VBIN)/python -m pytest -q -m 'not slow and not gpu' tests/test_vllm.py tests/test_vllm_rules.py
 	rm -rf runs/test-vllm
 	OMP_NUM_THREADS=1 $(VBIN)/python benchmarks/gpu_check_vllm.py --vllm-cpu --logprob-bound 1e-4 \
-		--fit-timeout 480 --out runs/test-vllm
+		--smollm2-logprob-max 1e-4 --fit-timeout 480 --out runs/test-vllm
 	@echo "test-vllm: tests and checks passed"
 
 clean:

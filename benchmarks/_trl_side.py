@@ -1,4 +1,5 @@
-"""TRL side of ``benchmarks/vs_trl.py``: a few GRPO steps of TRL's ``GRPOTrainer``, timed.
+"""TRL side of ``benchmarks/vs_trl.py`` and ``learning_vs_trl.py``: a few GRPO steps of TRL's
+``GRPOTrainer``, timed, with the training reward of every generation batch.
 
 Runs in TRL's own virtual environment (``.trl-venv``), started by ``vs_trl.py`` with
 a JSON spec; writes one JSON result. Not meant to be run by hand.
@@ -25,15 +26,32 @@ optimiser steps TRL takes on it, ``steps_per_generation`` of them):
 - update tokens: non-pad prompt + completion tokens of the generation batch (each row is
   trained on once per RL step: ``num_iterations=1``); per row (``seq_lens``, ``resp_lens``)
   for the needed FLOPs of the update.
+- reward: the mean reward and success share of each generation batch, recorded inside the
+  reward function TRL calls once per batch (``reward_mean``, ``success``).
+
+Optional spec keys (defaults: what ``vs_trl.py`` measures): ``reward`` (``module:Class`` of a
+salvage ``Reward``, built by ``make_reward`` on both sides; salvage's math-verify reward),
+``seed`` (0), ``loss_type`` (``dapo``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import tempfile
 import time
+from typing import Any
+
+DEFAULT_REWARD = "salvage.tasks.math:MathVerifyReward"
+
+
+def make_reward(path: str | None) -> Any:
+    """The reward both sides score with: a salvage ``Reward`` class named ``module:Class``
+    (importable from ``benchmarks/`` too), built without arguments."""
+    module, _, name = (path or DEFAULT_REWARD).partition(":")
+    return getattr(importlib.import_module(module), name)()
 
 
 def main() -> None:
@@ -47,8 +65,6 @@ def main() -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from salvage.tasks.math import MathVerifyReward
 
     if spec.get("compact_head"):
         # TRL's GPU path of its fused LM head: project and score only the positions with a label
@@ -65,11 +81,15 @@ def main() -> None:
     if tok.pad_token_id is None:  # as salvage.models does
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    verifier = MathVerifyReward()
+    verifier = make_reward(spec.get("reward"))
+    scored: dict[str, list[float]] = {"reward_mean": [], "success": []}
 
     def math_reward(completions, answer, **_kw):  # noqa: ANN001, ANN202
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [verifier(t, a).reward for t, a in zip(texts, answer, strict=True)]
+        results = [verifier(t, a) for t, a in zip(texts, answer, strict=True)]
+        scored["reward_mean"].append(sum(r.reward for r in results) / len(results))
+        scored["success"].append(sum(float(r.success) for r in results) / len(results))
+        return [r.reward for r in results]
 
     rows = json.load(open(spec["tasks"]))  # prompts in the salvage side's step order
     ds = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows])
@@ -106,7 +126,10 @@ def main() -> None:
             beta=0.0,
             epsilon=0.2,
             epsilon_high=0.28,
-            loss_type="dapo",  # token-mean over the accumulated batch
+            # dapo: token-mean over the generation batch's tokens / K; bnpo: over each
+            # micro-batch's own tokens (salvage's per-minibatch token-mean when a minibatch
+            # is one micro-batch)
+            loss_type=spec.get("loss_type", "dapo"),
             scale_rewards="group",
             mask_truncated_completions=False,
             shuffle_dataset=False,
@@ -117,7 +140,7 @@ def main() -> None:
             save_strategy="no",
             log_completions=False,
             dataloader_num_workers=0,
-            seed=0,
+            seed=int(spec.get("seed", 0)),
         )
         rec: dict[str, list[float]] = {
             "rollout_s": [],
@@ -128,6 +151,7 @@ def main() -> None:
             "resp_len": [],
             "seq_lens": [],
             "resp_lens": [],
+            "prompt_lens": [],
         }
         state = {"gen_in_step": 0.0, "upd_acc": 0.0, "t_begin": 0.0}
 
@@ -168,12 +192,14 @@ def main() -> None:
             rec["resp_len"].append(float(cm.sum()) / cm.shape[0])
             rec["seq_lens"].append((cm.sum(1) + pm.sum(1)).tolist())
             rec["resp_lens"].append(cm.sum(1).tolist())
+            rec["prompt_lens"].append(pm.sum(1).tolist())
             return out
 
         trainer._generate_and_score_completions = timed
         t0 = time.perf_counter()
         trainer.train()
         rec["wall_s"] = [time.perf_counter() - t0]
+    rec.update(scored)
     rec["version"] = [trl.__version__]  # type: ignore[list-item]
     rec["params_M"] = [sum(p.numel() for p in model.parameters()) / 1e6]
     json.dump(rec, open(out_path, "w"))

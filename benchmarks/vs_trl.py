@@ -95,6 +95,7 @@ def salvage_side(spec: dict, out_path: str) -> None:
 
     torch.set_num_threads(int(spec["threads"]))
     import lightning as L
+    from _trl_side import make_reward
     from probes import bandwidth_probe, gemm_probe
 
     from salvage.datamodules.rlvr import RLVRDataModule
@@ -105,6 +106,7 @@ def salvage_side(spec: dict, out_path: str) -> None:
     from salvage.tasks.math import MathData
 
     P, G, M = spec["prompts"], spec["n"], spec["micro_batch"]
+    seed = int(spec.get("seed", 0))
     module = GRPOModule(
         policy=PolicySpec(spec["model_dir"]),
         lr=spec["lr"],
@@ -115,6 +117,7 @@ def salvage_side(spec: dict, out_path: str) -> None:
         clip_eps_high=0.28,
         loss_agg="token-mean",
         max_grad_norm=1.0,
+        seed=seed,
     )
     data = RLVRDataModule(
         train=MathData(source=spec["jsonl"]),
@@ -127,7 +130,8 @@ def salvage_side(spec: dict, out_path: str) -> None:
             batch_size=P * G,
             logprob_batch_size=M,
         ),
-        seed=0,
+        reward=make_reward(spec.get("reward")),
+        seed=seed,
     )
     rec: dict[str, list[float]] = {
         "rollout_s": [],
@@ -138,6 +142,9 @@ def salvage_side(spec: dict, out_path: str) -> None:
         "resp_len": [],
         "seq_lens": [],
         "resp_lens": [],
+        "reward_mean": [],
+        "success": [],
+        "prompt_lens": [],
     }
 
     inner_rollout = data.train_rollout
@@ -162,6 +169,9 @@ def salvage_side(spec: dict, out_path: str) -> None:
         turns = [u for t in trajs for u in t.turns if u.train and u.response_ids]
         rec["seq_lens"].append([len(u.prompt_ids) + len(u.response_ids) for u in turns])
         rec["resp_lens"].append([len(u.response_ids) for u in turns])
+        rec["prompt_lens"].append([len(u.prompt_ids) for u in turns])
+        rec["reward_mean"].append(statistics.mean(t.reward for t in trajs))
+        rec["success"].append(statistics.mean(float(t.success) for t in trajs))
         return batch
 
     data.train_rollout = timed_rollout
@@ -196,19 +206,23 @@ def salvage_side(spec: dict, out_path: str) -> None:
         trainer.fit(module, datamodule=data)
         rec["wall_s"] = [time.perf_counter() - t0]
     rec["params_M"] = [sum(p.numel() for p in module.policy.parameters()) / 1e6]
-    # machine-limit probes: this process, this thread count, right after the run
-    lens = [x for step in rec["seq_lens"][1:] or rec["seq_lens"] for x in step]
-    shape = shape_of({"name_or_path": spec["model_dir"]})
-    rec["gemm_flops_s"] = [gemm_probe(shape, M * round(statistics.mean(lens)))]
-    rec["bandwidth"] = [bandwidth_probe()]
+    if spec.get("probes", True):
+        # machine-limit probes: this process, this thread count, right after the run
+        lens = [x for step in rec["seq_lens"][1:] or rec["seq_lens"] for x in step]
+        shape = shape_of({"name_or_path": spec["model_dir"]})
+        rec["gemm_flops_s"] = [gemm_probe(shape, M * round(statistics.mean(lens)))]
+        rec["bandwidth"] = [bandwidth_probe()]
     json.dump(rec, open(out_path, "w"))
 
 
 # --------------------------------------------------------------------------- orchestration
 
 
-def prepare(model: str, work: Path, steps: int, prompts: int) -> tuple[str, Path, Path]:
-    """The model directory both sides load, salvage's task file, TRL's prompts in salvage's order."""
+def prepare(
+    model: str, work: Path, steps: int, prompts: int, seed: int = 0
+) -> tuple[str, Path, Path]:
+    """The model directory both sides load, salvage's task file, TRL's prompts in the order
+    salvage's data seed ``seed`` draws them."""
     from salvage.datamodules.base import StepBatches
     from salvage.models import PolicySpec, load_policy, smollm2_checkpoint
     from salvage.tasks.math import MathData, load_math_tasks
@@ -232,14 +246,14 @@ def prepare(model: str, work: Path, steps: int, prompts: int) -> tuple[str, Path
                 + "\n"
             )
     order = StepBatches(
-        len(tasks), prompts, 0, SimpleNamespace(world_size=1, global_rank=0, global_step=0)
+        len(tasks), prompts, seed, SimpleNamespace(world_size=1, global_rank=0, global_step=0)
     )
     rows = [
         {"messages": tasks[i].messages, "answer": tasks[i].answer}
         for k in range(steps)
         for i in order.batch(k)
     ]
-    trl_tasks = work / f"trl_tasks_{prompts}_{steps}.json"
+    trl_tasks = work / f"trl_tasks_{prompts}_{steps}_{seed}.json"
     trl_tasks.write_text(json.dumps(rows))
     return str(mdir), jsonl, trl_tasks
 
