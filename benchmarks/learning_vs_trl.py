@@ -180,9 +180,14 @@ def report(runs: dict[str, list[dict]], a: argparse.Namespace, header: str) -> N
     print()
     for i, metric in enumerate(("reward", "success")):
         diff, half, df = welch(gains["salvage"][i], gains["trl"][i])
+        interval = (
+            f"[{diff - half:+.3f}, {diff + half:+.3f}] (df {df:.1f}"
+            if math.isfinite(half)
+            else "undefined (it needs 2+ seeds a side and some spread"
+        )
         print(
-            f"{metric} gain, salvage - TRL: {diff:+.3f}, 95% Welch t interval "
-            f"[{diff - half:+.3f}, {diff + half:+.3f}] (df {df:.1f}, {len(runs['trl'])} seeds a side)"
+            f"{metric} gain, salvage - TRL: {diff:+.3f}, 95% Welch t interval {interval}, "
+            f"{len(runs['trl'])} seeds a side)"
         )
 
 
