@@ -27,7 +27,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from vhgpo_overhead import PHASES, ROOT, phase, run
+from vhgpo_overhead import CONFIG, PHASES, phase, run
 
 PLANNER = "--data.init_args.env.kwargs"
 
@@ -46,7 +46,7 @@ def teacher_per_attempt(rows: list[dict[str, str]], skip: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--config", default=str(ROOT / "configs/vhgpo/twx_tiny.yaml"))
+    ap.add_argument("--config", default=str(CONFIG), help="the fit's config (VH-GPO on TWX)")
     ap.add_argument("--steps", type=int, default=3, help="updates per run")
     ap.add_argument("--rounds", type=int, default=1, help="before/after pairs of runs")
     ap.add_argument("--skip", type=int, default=0, help="leave the first K updates out")
@@ -71,7 +71,7 @@ def main() -> None:
             order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
             for side in order:
                 root = Path(d) / f"{side}{r}"
-                rows = run(a.steps, ["--config", a.config, *shape, *sides[side]], root)
+                rows = run(a.steps, [*shape, *sides[side]], root, config=a.config)
                 got[side].append(rows)
 
     def mean_of(side: str, f) -> float:  # noqa: ANN001

@@ -27,16 +27,20 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs/vhgpo/twx_tiny.yaml"
 
 
-def run(steps: int, extra: list[str], root: Path) -> list[dict[str, str]]:
+def run(
+    steps: int, extra: list[str], root: Path, config: str | Path = CONFIG
+) -> list[dict[str, str]]:
+    """``salvage fit --config config *extra`` for ``steps`` updates; its metrics.csv rows."""
     cmd = [
         sys.executable,
         "-m",
         "salvage",
         "fit",
         "--config",
-        str(ROOT / "configs/vhgpo/twx_tiny.yaml"),
+        str(config),
         *extra,
         "--trainer.max_steps",
         str(steps),
