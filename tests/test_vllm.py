@@ -364,3 +364,61 @@ def test_vllms_temporary_files_go_in_a_dir_the_sweep_owns(tmp_path, monkeypatch)
     assert not d.exists() and other.exists() and d not in vllm_support._OWNED_DIRS
     vllm_support._remove_owned_dirs()  # and exit removes the rest
     assert not other.exists()
+
+
+def _cli_fit(tmp_path, policy: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    env.pop("TORCH_CPP_LOG_LEVEL", None)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "salvage",
+            "fit",
+            "--config",
+            str(ROOT / "configs/grpo/math_tiny.yaml"),
+            "--model.init_args.policy",
+            policy,
+            "--data.init_args.engine.backend",
+            "vllm",
+            "--data.init_args.engine.vllm_dtype",
+            DTYPE,
+            "--data.init_args.engine.vllm_cpu_kvcache_gb",
+            "1",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_vllm_fit_prints_no_third_party_lines_and_a_bad_model_is_one_line(tmp_path):
+    """Without --verbose, a vLLM-backed fit shows none of vLLM's INFO / WARNING lines (some
+    are logged while its modules are imported, before vLLM configures logging), no weight
+    loading bar and no torch C++ warning (the CPU worker's NUMA binding); a model vLLM cannot
+    serve (tiny's head size 16) is one line, exit 2."""
+    ok = _cli_fit(tmp_path, '{"name_or_path": "tiny", "hidden_size": 256}')
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    lines = (ok.stdout + ok.stderr).splitlines()
+    noisy = [
+        x
+        for x in lines
+        if any(m in x for m in (" INFO ", " WARNING ", "Triton", "Loading safetensors", "[W"))
+    ]
+    assert noisy == [], noisy[:5]
+    bad = _cli_fit(tmp_path, '{"name_or_path": "tiny"}')
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    err = [x for x in bad.stderr.splitlines() if x.startswith("salvage: error")]
+    assert len(err) == 1 and "head size 16" in err[0], bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr

@@ -101,7 +101,12 @@ def quiet_third_parties(heavy: bool = True) -> None:
         return
     # vLLM (imported later, when an engine is built) reads its level from the environment,
     # and its workers inherit it: start-up INFO and WARNING lines only with --verbose
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    level = logging.getLevelName(os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR").upper())
+    # ... but some of its modules log while they are imported, before vLLM configures its
+    # loggers (triton_utils: "Triton is installed, but doesn't include CPU backend"): the
+    # level of the "vllm" logger is set here, ahead of them
+    if isinstance(level, int):
+        logging.getLogger("vllm").setLevel(level)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -141,6 +146,9 @@ def main(args: list[str] | None = None) -> None:
     if debug:
         _run_debug(argv, args is None)
         return
+    if not verbose:  # torch's C++ warnings (vLLM's CPU worker: "NUMA binding: ...") are
+        # set by the environment before torch is imported, which the subcommands do
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         _run(argv, args is None, quiet=not verbose)
     except Exception as e:  # noqa: BLE001 - only user errors are shortened, the rest re-raised

@@ -239,6 +239,8 @@ def _build_backend(
         enable_sleep_mode=level > 0,
         enable_prefix_caching=True,
         enforce_eager=default_enforce_eager(enforce_eager, facts),
+        # its weight-loading bar only where its INFO lines show (salvage --verbose)
+        use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
     )
     _add_platform_kwargs(kwargs, model, max_model_len, recompute_logprobs, facts)
     try:

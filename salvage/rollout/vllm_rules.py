@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from salvage.errors import ConfigError
+
 SUPPORTED_VLLM = (0, 27), (0, 34)
 """Supported vLLM versions: from 0.27 (inclusive) up to 0.34 (exclusive)."""
 SUPPORTED_VLLM_TEXT = "vllm>=0.27,<0.34"
@@ -133,18 +135,18 @@ def check_vllm_sampling(
 ) -> None:
     """Refuse settings vLLM would reject or silently change (the HF engine accepts them)."""
     if temperature > VLLM_MAX_TEMPERATURE:
-        raise ValueError(
+        raise ConfigError(
             f"{where}.temperature={temperature}: vLLM accepts temperatures in [0, 2] "
             f"(use backend: hf for higher ones)"
         )
     if 0 < temperature < VLLM_MIN_TEMPERATURE:
-        raise ValueError(
+        raise ConfigError(
             f"{where}.temperature={temperature}: vLLM raises temperatures below "
             f"{VLLM_MIN_TEMPERATURE} to {VLLM_MIN_TEMPERATURE}; use 0 (greedy) or >= "
             f"{VLLM_MIN_TEMPERATURE}"
         )
     if not recompute_logprobs and top_p < 1:
-        raise ValueError(
+        raise ConfigError(
             f"{where}.top_p={top_p} with vllm_recompute_logprobs=false: vLLM's "
             f"processed log-probs are renormalised over the top-p nucleus, so the update's "
             f"first ratio would not be 1; set vllm_recompute_logprobs: true or top_p: 1"
@@ -330,11 +332,11 @@ def check_servable(model_name: str, head_dim: int | None, dtype: str, facts: Pla
     """Refuse, when the engine is built, a model the platform's vLLM cannot serve (vLLM
     itself accepts it and fails at the first generate), naming the value and the limits."""
     if dtype not in facts.dtypes:
-        raise ValueError(
+        raise ConfigError(
             f"engine.vllm_dtype={dtype!r}: vLLM on {facts.name} supports {', '.join(facts.dtypes)}"
         )
     if facts.head_sizes is not None and head_dim is not None and head_dim not in facts.head_sizes:
-        raise ValueError(
+        raise ConfigError(
             f"{model_name} has attention head size {head_dim}; vLLM's attention on "
             f"{facts.name} supports head sizes {', '.join(map(str, facts.head_sizes))} "
             f"(use backend: hf for this model)"
@@ -351,7 +353,9 @@ def cpu_kvcache_gib(setting: int | None, environ: MutableMapping[str, str]) -> i
         try:
             gib = int(value)
         except ValueError:
-            raise ValueError(f"{CPU_KVCACHE_VAR}={value!r} must be a whole number of GiB") from None
+            raise ConfigError(
+                f"{CPU_KVCACHE_VAR}={value!r} must be a whole number of GiB"
+            ) from None
         if gib > 0:
             return gib
     return 1
@@ -363,7 +367,7 @@ def check_cpu_kvcache_fits(new_gib: int, others_gib: Sequence[int], total_bytes:
     used = sum(others_gib) + new_gib
     limit = CPU_KVCACHE_SHARE * total_bytes / GIB
     if used > limit:
-        raise ValueError(
+        raise ConfigError(
             f"engine.vllm_cpu_kvcache_gb={new_gib}: this process's vLLM engines would hold "
             f"{used} GiB of KV cache ({sum(others_gib)} GiB in {len(others_gib)} engine(s) "
             f"already built), more than {CPU_KVCACHE_SHARE:.0%} of this machine's "
