@@ -366,7 +366,7 @@ def test_vllms_temporary_files_go_in_a_dir_the_sweep_owns(tmp_path, monkeypatch)
     assert not other.exists()
 
 
-def _cli_fit(tmp_path, policy: str) -> subprocess.CompletedProcess:
+def _cli_fit(tmp_path, policy: str, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
     env.pop("VLLM_LOGGING_LEVEL", None)
     env.pop("TORCH_CPP_LOG_LEVEL", None)
@@ -392,6 +392,7 @@ def _cli_fit(tmp_path, policy: str) -> subprocess.CompletedProcess:
             "false",
             "--trainer.default_root_dir",
             str(tmp_path / "run"),
+            *extra,
         ],
         cwd=tmp_path,
         env=env,
@@ -422,3 +423,14 @@ def test_a_vllm_fit_prints_no_third_party_lines_and_a_bad_model_is_one_line(tmp_
     err = [x for x in bad.stderr.splitlines() if x.startswith("salvage: error")]
     assert len(err) == 1 and "head size 16" in err[0], bad.stderr[-3000:]
     assert "Traceback" not in bad.stderr
+    # an engine error (a generate past its limit, twice: the rebuilt engine too) is one line
+    slow = _cli_fit(
+        tmp_path,
+        '{"name_or_path": "tiny", "hidden_size": 256}',
+        "--data.init_args.engine.generate_timeout_s",
+        "0.001",
+    )
+    assert slow.returncode == 1, slow.stderr[-3000:]
+    err = [x for x in slow.stderr.splitlines() if x.startswith("salvage: error")]
+    assert len(err) == 1 and "generate_timeout_s=0.001" in err[0], slow.stderr[-3000:]
+    assert "Traceback" not in slow.stderr and "[rank0]" not in slow.stderr
