@@ -623,3 +623,19 @@ def test_a_salvage_test_into_a_copied_run_leaves_its_fit_history_readable(finish
     series, _, files = load_run(run)
     assert [f.parent.name for f in files] == ["version_0"]
     assert "val/aggregate" in series and not any(k.startswith("eval/") for k in series)
+
+
+def test_a_run_dir_nobody_can_write_is_refused_naming_the_key():
+    """Read-only run dirs (issue 47 item 3): chmod does not stop root, so the check is a real
+    write probe; a dir under /proc refuses every writer, root included."""
+    from pathlib import Path
+
+    from salvage.commands.fit import check_run_dir
+    from salvage.errors import ConfigError
+
+    if not Path("/proc/1").is_dir():
+        pytest.skip("no /proc here")
+    with pytest.raises(
+        ConfigError, match=r"trainer.default_root_dir '/proc/1/run' is not writable"
+    ):
+        check_run_dir("/proc/1/run")
