@@ -461,6 +461,10 @@ PINNED: dict[str, dict[str, float]] = {
         "metric/graft/complementary_b_to_a": 1.0,
         "metric/graft/weight_mean": 0.5,
         "metric/graft/admitted_frac": 0.5,
+        # 8 peer responses, 4 admitted: 1 of the 3 correct, 3 of the 5 incorrect
+        "metric/graft/admitted_correct_frac": 0.3333333432674408,
+        "metric/graft/admitted_incorrect_frac": 0.6000000238418579,
+        "metric/graft/admission_gap": -0.2666666805744171,
         "metric/graft/peer_clip_frac": 0.078125,
     },
     "graft_variants": {
@@ -506,6 +510,7 @@ PINNED: dict[str, dict[str, float]] = {
         "metric/graft/complementary_b_to_a": 1.0,
         "metric/graft/weight_mean": 0.865932285785675,
         "metric/graft/admitted_frac": 1.0,
+        "metric/graft/admitted_incorrect_frac": 1.0,  # no correct peer response moved
         "metric/graft/peer_clip_frac": 0.0,
     },
     "grpo": {
@@ -593,6 +598,9 @@ PINNED: dict[str, dict[str, float]] = {
         "metric/graft/complementary_b_to_a": 1.0,
         "metric/graft/weight_mean": 1.0,
         "metric/graft/admitted_frac": 1.0,
+        "metric/graft/admitted_correct_frac": 1.0,  # HACPO: every peer response enters
+        "metric/graft/admitted_incorrect_frac": 1.0,
+        "metric/graft/admission_gap": 0.0,
         "metric/graft/selected_a_to_b": 1.0,
         "metric/graft/selected_b_to_a": 1.0,
         "metric/graft/peer_clip_frac": 0.06837208569049835,
