@@ -59,3 +59,34 @@ def test_engines_on_one_jvm_play_as_engines_on_a_jvm_each():
         assert again.observation == got[0][0][0]
     finally:
         again.close()
+
+
+def _child_plays(task) -> None:
+    from salvage.envs.twx import TWXEnv
+
+    env = TWXEnv()  # a forked child: a JVM of its own, the parent's copy left alone
+    env.reset(task, 0)
+    env.close()
+
+
+def test_a_forked_child_starts_its_own_jvm_and_leaves_the_parents():
+    needs_twx()
+    import gc
+    import multiprocessing as mp
+
+    from salvage.envs.twx import TWXEnv
+
+    task = TWXEnv.list_tasks("train", game="twc", params=TWC2, num_tasks=1)[0]
+    env = TWXEnv()
+    try:
+        env.reset(task, 0)
+        first = sorted(env.info["admissible"])[0]
+        child = mp.get_context("fork").Process(target=_child_plays, args=(task,))
+        child.start()
+        child.join(120)
+        assert child.exitcode == 0
+        gc.collect()
+        res = env.step(first)  # the parent's JVM still answers
+        assert res.observation
+    finally:
+        env.close()

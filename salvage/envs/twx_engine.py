@@ -17,6 +17,8 @@ from typing import Any
 _HOST: tuple[int, Any] | None = None
 """(pid, the engine whose JVM the others of this process use); never handed out itself."""
 _SHARED_CLASS: Any = None
+_INHERITED: list[Any] = []
+"""Hosts a forked child inherited from its parent: never closed nor collected here."""
 
 
 def _shared_class() -> Any:
@@ -65,7 +67,14 @@ def new_engine(step_limit: int, share_jvm: bool = True) -> Any:
     if not share_jvm:
         return TextWorldExpressEnv(envStepLimit=step_limit)
     global _HOST
-    if _HOST is None or _HOST[0] != os.getpid() or not _alive(_HOST[1]):
+    if _HOST is not None and _HOST[0] != os.getpid():
+        # a forked child's copy of its parent's host: closing it (its __del__ does) would
+        # shut the parent's JVM down through the inherited pipe, and collecting it would
+        # delete the parent's temporary file; it is kept, untouched
+        _HOST[1].close = lambda: None
+        _INHERITED.append(_HOST[1])
+        _HOST = None
+    if _HOST is None or not _alive(_HOST[1]):
         _HOST = (os.getpid(), TextWorldExpressEnv(envStepLimit=step_limit))
     return _shared_class()(_HOST[1]._gateway, step_limit)
 
