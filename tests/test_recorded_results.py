@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 VHGPO_METRICS = ["--metric", "val/success/indist", "--metric", "val/success/dev"]
 TABLES = {  # (study, table file) -> the compare arguments that made it
+    ("graft_arith_small", "compare.md"): [],
     ("vhgpo_twx", "compare.md"): VHGPO_METRICS,
     ("vhgpo_twx", "compare_vs_no_handoff.md"): ["--baseline", "no_handoff", *VHGPO_METRICS],
     ("vhgpo_twx", "compare_vs_extra_student_rollouts.md"): [
