@@ -87,12 +87,11 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from vs_trl import prepare, run_side
+from vs_trl import prepare, run_side, trl_versions
 
 from salvage.core.stats import ci95, mean, sample_std, t_quantile
 from salvage.tasks.math import Reward, RewardResult
@@ -218,17 +217,7 @@ def main() -> None:
         sys.exit(f"--k must be in 1..{a.steps // 2} (half of --steps)")
     if not Path(a.trl_python).exists():
         sys.exit(f"no TRL interpreter at {a.trl_python} (see vs_trl.py's docstring for the venv)")
-    versions = subprocess.run(
-        [
-            a.trl_python,
-            "-c",
-            "import trl, transformers, torch; "
-            "print(trl.__version__, transformers.__version__, torch.__version__)",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    versions = trl_versions(a.trl_python)
     lr = a.lr if a.lr is not None else DEFAULT_LR.get(a.model, 1e-5)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory(prefix="learning-vs-trl-") as d:

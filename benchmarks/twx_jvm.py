@@ -59,11 +59,7 @@ def one(engines: int, share: bool) -> tuple[float, float, int]:
         env.step(sorted(env.info["admissible"])[0])
     wall = time.perf_counter() - t0
     rss = java_rss_mb()
-    jvms = len(
-        subprocess.run(
-            ["pgrep", "-P", str(os.getpid()), "java"], capture_output=True, text=True
-        ).stdout.split()
-    )
+    jvms = twx_engine.jvms_started()
     for env in envs:
         env.close()
     return wall, rss, jvms

@@ -323,6 +323,21 @@ def summarise(runs: list[dict], shape: Shape) -> dict[str, float]:
     }
 
 
+def trl_versions(trl_python: str) -> list[str]:
+    """trl, transformers and torch versions of the TRL interpreter."""
+    return subprocess.run(
+        [
+            trl_python,
+            "-c",
+            "import trl, transformers, torch; "
+            "print(trl.__version__, transformers.__version__, torch.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -352,17 +367,7 @@ def main() -> None:
         return salvage_side(json.loads(Path(spec_path).read_text()), out)
     if not Path(a.trl_python).exists():
         sys.exit(f"no TRL interpreter at {a.trl_python} (see the docstring for the venv)")
-    trl_version = subprocess.run(
-        [
-            a.trl_python,
-            "-c",
-            "import trl, transformers, torch; "
-            "print(trl.__version__, transformers.__version__, torch.__version__)",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    trl_version = trl_versions(a.trl_python)
     from salvage.memory import shape_of
 
     results: dict[str, dict[str, dict[str, float]]] = {}

@@ -121,15 +121,14 @@ class CaptureOrder(L.Callback):
         }
 
 
-def test_fit_exchanges_both_directions_peer_last(tmp_path):
-    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
+def _scripted_fit(tmp_path, module, callbacks=()) -> L.Trainer:
+    """One update of ``module`` on ``ScriptedOutcomes`` (4 prompts x 4), logged to CSV."""
     data = ScriptedOutcomes(
         train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
         prompts_per_step=4,
         group_size=4,
         engine=EngineConfig(max_new_tokens=8),
     )
-    cap = CaptureOrder()
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=1,
@@ -137,9 +136,16 @@ def test_fit_exchanges_both_directions_peer_last(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[cap],
+        callbacks=list(callbacks),
     )
     trainer.fit(module, datamodule=data)
+    return trainer
+
+
+def test_fit_exchanges_both_directions_peer_last(tmp_path):
+    cap = CaptureOrder()
+    module = GRAFTModule(lr=1e-3, num_minibatches=2, micro_batch_size=8, gate=False)
+    trainer = _scripted_fit(tmp_path, module, [cap])
     m = trainer.callback_metrics
     assert float(m["graft/transferred_a_to_b"]) == 1 and float(m["graft/transferred_b_to_a"]) == 1
     assert float(m["graft/weight_mean"]) == 1.0  # gate off: w = 1
@@ -160,22 +166,7 @@ def test_fit_exchanges_both_directions_peer_last(tmp_path):
 def test_fit_logs_what_the_gate_admitted_by_outcome(tmp_path):
     """With the gate on, the logged admitted fractions by outcome are exchange.jsonl's: the
     3 correct (A's 1 of 4, B's 2 of 4) and 5 incorrect peer responses of the scripted step."""
-    module = GRAFTModule(lr=1e-3, micro_batch_size=8, gate=True)
-    data = ScriptedOutcomes(
-        train=MathData(source="reasoning_gym:basic_arithmetic", size=8),
-        prompts_per_step=4,
-        group_size=4,
-        engine=EngineConfig(max_new_tokens=8),
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=CSVLogger(tmp_path, name=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=data)
+    trainer = _scripted_fit(tmp_path, GRAFTModule(lr=1e-3, micro_batch_size=8, gate=True))
     m = trainer.callback_metrics
     rec = json.loads(Path(trainer.log_dir, "exchange.jsonl").read_text().splitlines()[0])
     correct = [r["admitted"] for r in rec["responses"] if r["success"]]
