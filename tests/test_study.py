@@ -465,6 +465,28 @@ def test_finished_runs_are_skipped_and_changed_ones_flagged(tmp_path, capsys):
     assert info["methods"] == ["grpo"] and info["seeds"] == [0, 1]
 
 
+def test_a_run_restored_from_a_record_is_not_flagged(tmp_path, capsys, monkeypatch):
+    # studies/record_runs.py writes a run's command with the checkout's paths made relative
+    # (and --restore puts it back so): the same arguments as the plan's, not "other" ones
+    monkeypatch.chdir(Path(TINY).resolve().parents[2])
+    f = _write(
+        tmp_path / "s.yaml", f"base: {Path(TINY).resolve()}\nseeds: [0, 1]\nmethods: {{grpo: []}}\n"
+    )
+    out = tmp_path / "o"
+    restored, changed = plan(load_study(f), out)
+    root = str(Path.cwd()) + "/"
+    rel = [a.replace(root, "") for a in restored.args]
+    assert rel != restored.args  # the base config's path was absolute, under the checkout
+    for r, args in ((restored, rel), (changed, [*rel[:-1], "elsewhere"])):
+        _write(
+            r.dir / "done.json", json.dumps({"command": ["python", "-m", "salvage", "fit", *args]})
+        )
+    assert run_study(f, out) == 0
+    err = capsys.readouterr().err
+    assert "grpo/seed1 is done but was run with other arguments" in err
+    assert "grpo/seed0" not in err
+
+
 def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
     # each "fit" records when it starts and ends and sleeps 1.5 s: with --jobs 2 the two runs
     # overlap in time (sequentially the second starts after the first ended), both end done

@@ -24,7 +24,7 @@ from salvage.commands.study.runner import (
     forwarding_signals,
     lock,
     log_tail,
-    recorded_args,
+    ran_with_other_args,
     run_all,
     stop_code,
     stop_requested,
@@ -154,7 +154,7 @@ def _run_study(
             return rc_regime
     todo = [r for r in runs if not r.done]
     for r in runs:
-        if r.done and recorded_args(r) not in (None, r.args):
+        if r.done and ran_with_other_args(r):
             print(
                 f"warning: {r.method}/seed{r.seed} is done but was run with other arguments "
                 f"than the study now gives (see {r.dir / 'done.json'}); delete its done.json "

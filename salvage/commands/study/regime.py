@@ -19,7 +19,7 @@ from salvage.commands.study.runner import (
     EXIT_FAILED,
     STOPPED,
     now,
-    recorded_args,
+    ran_with_other_args,
     recorded_command,
     run_all,
     stop_code,
@@ -144,7 +144,7 @@ def _calibrate(study: Study, cals: list[Run], backend: str, address: str | None)
     """Run the unfinished calibration runs (side by side); the exit code to stop the study
     with when one did not finish, else None."""
     for c in cals:
-        if c.done and recorded_args(c) not in (None, c.args):
+        if c.done and ran_with_other_args(c):
             print(
                 f"warning: the calibration {c.dir} is done but was run with other arguments "
                 f"than the study now gives; delete {c.dir} to recalibrate",

@@ -251,6 +251,17 @@ def recorded_args(run: Run) -> list[str] | None:
     return args[:-2] if args[-2:] == ["--ckpt_path", "last"] else args
 
 
+def ran_with_other_args(run: Run) -> bool:
+    """Whether a finished run recorded fit arguments other than the plan's. A run restored
+    from a committed record (``studies/record_runs.py --restore``) has the machine's paths
+    made relative to the checkout, so the plan's paths are compared relative to it too."""
+    had = recorded_args(run)
+    if had is None or had == run.args:
+        return False
+    root = str(Path.cwd()).rstrip("/") + "/"
+    return had != [a.replace(root, "") for a in run.args]
+
+
 def recorded_command(run: Run) -> list[str] | None:
     try:
         cmd = json.loads((run.dir / "done.json").read_text(encoding="utf-8"))["command"]
