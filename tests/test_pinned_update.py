@@ -693,6 +693,7 @@ PINNED: dict[str, dict[str, float]] = {
         "metric/relay/teacher_attempts_cum": 16.0,
         "metric/relay/recoveries_cum": 2.0,
         "metric/relay/retained_cum": 2.0,
+        "metric/relay/retained_frac_cum": 1.0,
         "metric/relay/teacher_frac": 0.6000000238418579,
         "metric/relay/pooled_reduction": 0.4000000059604645,
         "metric/loss/policy": 0.0,

@@ -367,3 +367,15 @@ def test_teacher_is_an_explicit_choice_and_named(tmp_path, capsys):
 
     RunSummary().on_fit_end(trainer, trainer.lightning_module)
     assert "teacher: oracle" in " ".join(capsys.readouterr().out.split())
+
+
+def test_retained_frac_cum_is_the_share_of_selected_groups_with_a_relay_so_far():
+    from salvage.callbacks.rescue import _Accounting
+
+    acc = _Accounting()
+    assert "relay/retained_frac_cum" not in acc.metrics({"zero_signal_groups": 3.0}, [])
+    first = acc.metrics({"selected": 4.0, "retained": 1.0}, [])
+    assert first["relay/retained_frac_cum"] == pytest.approx(1 / 4)
+    second = acc.metrics({"selected": 2.0, "retained": 2.0}, [])
+    assert second["relay/retained_frac_cum"] == pytest.approx(3 / 6)
+    assert (second["relay/selected_cum"], second["relay/retained_cum"]) == (6.0, 3.0)

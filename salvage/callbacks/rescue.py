@@ -127,6 +127,8 @@ class _Accounting:
         out["cost/extra_token_ratio"] = extra / t["root_tokens"] if t["root_tokens"] else 0.0
         if fracs:
             out["relay/teacher_frac"] = sum(fracs) / len(fracs)
+        if t["selected"]:  # of the groups selected so far, the share with a relay retained
+            out["relay/retained_frac_cum"] = t["retained"] / t["selected"]
         if t["sum_L"]:
             out["relay/pooled_reduction"] = 1.0 - t["sum_j"] / t["sum_L"]
         if self.random_handoff:  # searches with S minus j_early empty, and those discarded
