@@ -610,8 +610,16 @@ def test_compare_table_and_plots_on_hand_numbers(tmp_path):
     # = (4.3027 + 1.0607) * 0.057735 / 1.7321 = 0.179; seeds for +0.1:
     # n = 4: (3.1824 + 0.9785) * 0.057735 / 2 = 0.1201 > 0.1,
     # n = 5: (2.7764 + 0.9410) * 0.057735 / 2.2361 = 0.0960 <= 0.1 -> 5
-    assert "| paired SD | MDD (80%) | seeds for +0.1 |" in md
-    assert paired_row.endswith("| s0: +0.200, s1: +0.200, s2: +0.300 | 0.058 | 0.179 | 5 |")
+    assert "| paired SD | MDD (80%) | seeds for +0.1 | MDD <= half the baseline's gain |" in md
+    # the baseline's own gain, final - first validation: 0.4 - 0.0, 0.1 - 0.1, 0.2 - 0.0 ->
+    # mean 0.2, sd 0.2, half-width 4.3027 * 0.2 / sqrt(3) = 0.497; half of it 0.1 < MDD 0.179
+    assert (
+        "Baseline `grpo`'s own gain (final minus its first validation, before update 1 "
+        "(step 0)): 0.200 ± 0.497 (s0: +0.400, s1: +0.000, s2: +0.200); half of it: +0.100."
+    ) in md
+    assert paired_row.endswith(
+        "| s0: +0.200, s1: +0.200, s2: +0.300 | 0.058 | 0.179 | 5 | no (0.179 > 0.100) |"
+    )
     assert "MDD (80%) = (t_{0.975,n-1} + t_{0.8,n-1}) · SD / sqrt(n)" in md
     assert heldout_keys([]) == []
     assert "| grpo | 3 |" in md
@@ -687,12 +695,14 @@ def test_compare_power_columns_one_seed_sd_zero_and_the_effect_flag(tmp_path, ca
     # vh: sd 0.1, MDD (4.3027 + 1.0607) * 0.1 / sqrt(3) = 0.310; seeds for +0.05 at sd 0.1:
     # the smallest n with (t_{0.975,n-1} + t_{0.8,n-1}) / sqrt(n) <= 0.5: 34 (as at sd 0.2
     # for +0.1, test_stats)
+    # grpo's own gain: 0.1, 0.3, 0.2 (from 0 before update 1): mean 0.2, half of it 0.1
+    assert "half of it: +0.100." in md
     vh = next(x for x in md.splitlines() if x.startswith("| vh | 3 | 0.300"))
-    assert vh.endswith("| 0.100 | 0.310 | 34 |")
+    assert vh.endswith("| 0.100 | 0.310 | 34 | no (0.310 > 0.100) |")
     dr = next(x for x in md.splitlines() if x.startswith("| drgrpo | 3 |") and "s0:" in x)
-    assert dr.endswith("| 0.000 | n/a (SD 0) | n/a (SD 0) |")
+    assert dr.endswith("| 0.000 | n/a (SD 0) | n/a (SD 0) | n/a (no MDD) |")
     one = next(x for x in md.splitlines() if x.startswith("| one | 1 |") and "s0:" in x)
-    assert one.endswith("| n/a (1 seed) | n/a (1 seed) | n/a (1 seed) |")
+    assert one.endswith("| n/a (1 seed) | n/a (1 seed) | n/a (1 seed) | n/a (no MDD) |")
     with pytest.raises(SystemExit):
         main([str(s), "--effect", "0", "--out", str(tmp_path / "c")])
     assert "--effect must be > 0" in capsys.readouterr().err
@@ -1034,3 +1044,37 @@ def test_a_criterion_can_name_another_methods_calibration_run(tmp_path):
     assert crit.method == "a" and crit.describe() == "a: mean relay/retained >= 0.5"
     (v,) = evaluate([crit], {"relay/retained": {0.0: 0.0, 1.0: 1.0, 2.0: 2.0}})
     assert v.passed and v.value == 1.0
+
+
+def test_power_against_the_baseline_gain_on_hand_numbers():
+    from salvage.commands.compare.tables import baseline_gain, powered_cell
+
+    # first validation after update 100 (step 99): named; gains 0.3 and 0.1 -> mean 0.2
+    d = {"final": {0: 0.5, 1: 0.4}, "first": {0: 0.2, 1: 0.3}, "start": {0: 99.0, 1: 99.0}}
+    iv, line = baseline_gain(d, "no_exchange")
+    assert iv.mean == pytest.approx(0.2)
+    assert "at step 99, after training began" in line and "s0: +0.300, s1: +0.100" in line
+    assert powered_cell("0.100", iv) == "yes"  # 0.1 <= 0.2 / 2
+    assert powered_cell("0.101", iv) == "no (0.101 > 0.100)"
+    assert powered_cell("n/a (1 seed)", iv) == "n/a (no MDD)"
+    flat = {"final": {0: 0.2, 1: 0.3}, "first": {0: 0.2, 1: 0.4}, "start": {0: 0.0, 1: 0.0}}
+    iv, line = baseline_gain(flat, "grpo")
+    assert "before update 1 (step 0)" in line
+    assert powered_cell("0.010", iv) == "n/a (baseline gain -0.050)"
+
+
+def test_compare_start_gives_the_baseline_gain_from_a_shared_warm_start(tmp_path):
+    s = tmp_path / "study"
+    for seed, g in enumerate((0.5, 0.7)):
+        _run(s, "grpo", seed, [0.3, 0.3, g], 1.0)
+        _run(s, "vh", seed, [0.3, 0.3, g + 0.1], 1.0)
+    warm = tmp_path / "warm"
+    _metrics(warm / "version_0" / "metrics.csv", [{"step": 0, "val/success": 0.1}])
+    md = compare([s], tmp_path / "c", "grpo", None, start=warm)
+    # from the warm start's 0.1, not the runs' first 0.3: gains 0.4 and 0.6
+    assert f"the shared start point's, `{warm}`): 0.500 ± " in md
+    assert "(s0: +0.400, s1: +0.600); half of it: +0.250." in md
+    from salvage.errors import DataError
+
+    with pytest.raises(DataError, match="--start"):
+        compare([s], tmp_path / "c", "grpo", None, start=tmp_path / "nowhere")

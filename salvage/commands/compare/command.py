@@ -16,6 +16,7 @@ from salvage.commands.compare.runs import (
     collect,
     heldout_keys,
     is_run,
+    read_run,
     read_study_json,
 )
 from salvage.commands.compare.tables import admission_section, table
@@ -107,9 +108,12 @@ def compare(
     metrics: list[str] | None,
     effect: float = 0.1,
     include_unfinished: bool = False,
+    start: Path | None = None,
 ) -> str:
     """Write the PNGs and ``compare.md`` into ``out``; return the markdown. ``effect``: the
-    difference of the final score the ``seeds for +EFFECT`` column sizes the study for."""
+    difference of the final score the ``seeds for +EFFECT`` column sizes the study for;
+    ``start``: a run whose first validation is every run's start point (a shared warm start)
+    for the baseline's own gain."""
     if not effect > 0:
         raise ValueError(f"--effect must be > 0, got {effect}")
     info = {}
@@ -129,7 +133,12 @@ def compare(
     keys = metrics or heldout_keys(runs)
     out.mkdir(parents=True, exist_ok=True)
     plots, missing = _plots(runs, keys, out)
-    body, warnings = table(runs, keys, baseline, effect)
+    start_at = None
+    if start is not None:
+        if not is_run(start):
+            raise DataError(f"--start {str(start)!r}: no run there (no version_*/metrics.csv)")
+        start_at = (str(start), read_run(start))
+    body, warnings = table(runs, keys, baseline, effect, start_at)
     if left_out:
         warnings.insert(
             0,
@@ -194,13 +203,21 @@ def main(argv: list[str] | None = None) -> None:
         help="below a study dir, also compare its runs without done.json (stopped, crashed "
         "or still running); by default they are left out, named in a warning",
     )
+    p.add_argument(
+        "--start",
+        type=Path,
+        default=None,
+        help="a run whose first validation is every run's start (e.g. the study's shared "
+        "warm start): the baseline's own gain is its final minus that (default: each run's "
+        "first validation)",
+    )
     a = p.parse_args(argv)
     out = a.out or (
         a.paths[0] / "compare" if len(a.paths) == 1 and not is_run(a.paths[0]) else Path("compare")
     )
     try:
         print(
-            compare(a.paths, out, a.baseline, a.metric, a.effect, a.include_unfinished),
+            compare(a.paths, out, a.baseline, a.metric, a.effect, a.include_unfinished, a.start),
             end="",
         )
     except ValueError as e:

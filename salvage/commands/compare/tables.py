@@ -58,7 +58,9 @@ def _method_rows(
         fin = {r.seed: r.final(key) for r in rs}
         best = {r.seed: max(r.curve(key)[1]) for r in rs}
         area = {r.seed: mean_auc(*r.curve(key)) for r in rs}
-        per[m] = {"final": fin, "auc": area}
+        first = {r.seed: r.curve(key)[1][0] for r in rs}
+        start = {r.seed: r.curve(key)[0][0] for r in rs}
+        per[m] = {"final": fin, "auc": area, "first": first, "start": start}
         last = sorted({int(r.curve(key)[0][-1]) for r in rs})
         if len(last) > 1:
             warnings.append(f"{m}: {key} ends at different updates over seeds: {last}")
@@ -78,20 +80,63 @@ def _method_rows(
     return lines, per
 
 
+def baseline_gain(
+    d: dict[str, dict[int, float]], baseline: str, start_name: str | None = None
+) -> tuple[Interval, str]:
+    """The baseline's own gain on a held-out key over the run, per seed its final value minus
+    its first (mean ± 95% CI over seeds), and the sentence saying so. The first point is the
+    one before update 1 where the run validated first (``ValidateFirst``); else the first
+    validation's update, which the sentence names; ``start_name``: the run whose first
+    validation ``d["first"]`` holds for every seed (``salvage compare --start``)."""
+    gains = [d["final"][s] - d["first"][s] for s in sorted(d["final"])]
+    iv = ci95(gains)
+    starts = sorted({int(v) for v in d["start"].values()})
+    if start_name:
+        since = f"the shared start point's, `{start_name}`"
+    elif starts == [0]:
+        since = "before update 1 (step 0)"
+    else:
+        since = "at step " + "/".join(map(str, starts)) + ", after training began"
+    per_seed = ", ".join(f"s{s}: {g:+.3f}" for s, g in zip(sorted(d["final"]), gains, strict=True))
+    line = (
+        f"Baseline `{baseline}`'s own gain (final minus its first validation, {since}): "
+        f"{_fmt(iv)} ({per_seed}); half of it: {iv.mean / 2:+.3f}."
+    )
+    return iv, line
+
+
+def powered_cell(detectable: str, gain: Interval) -> str:
+    """Whether a comparison's MDD is at most half the baseline's mean gain (issue 46's power
+    rule): "yes", "no (MDD x > y)", or "n/a (...)" when either is undefined or the baseline did
+    not gain."""
+    try:
+        d = float(detectable)
+    except ValueError:
+        return "n/a (no MDD)"
+    if math.isnan(gain.mean) or gain.mean <= 0:
+        return f"n/a (baseline gain {gain.mean:+.3f})"
+    half = gain.mean / 2
+    return "yes" if d <= half else f"no ({d:.3f} > {half:.3f})"
+
+
 def _paired_rows(
     per: dict[str, dict[str, dict[int, float]]],
     baseline: str,
     key: str,
     effect: float,
     warnings: list[str],
+    start_name: str | None = None,
 ) -> list[str]:
     """The paired comparison of each method with the baseline on ``key``, and its power."""
+    gain, gain_line = baseline_gain(per[baseline], baseline, start_name)
     lines = [
+        gain_line,
+        "",
         f"Paired with the baseline `{baseline}` (method - baseline, per seed; mean ± 95% CI):",
         "",
         f"| method | seeds | Δ final | Δ AUC | per-seed Δ final | paired SD "
-        f"| MDD (80%) | seeds for +{effect:g} |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| MDD (80%) | seeds for +{effect:g} | MDD <= half the baseline's gain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, d in per.items():
         if m == baseline:
@@ -107,7 +152,7 @@ def _paired_rows(
         sd, detectable, need = power_cells(pf.diffs, effect)
         lines.append(
             f"| {m} | {len(pf.seeds)} | {_fmt(pf.interval)} | {_fmt(pa.interval)} "
-            f"| {per_seed} | {sd} | {detectable} | {need} |"
+            f"| {per_seed} | {sd} | {detectable} | {need} | {powered_cell(detectable, gain)} |"
         )
     return [
         *lines,
@@ -122,10 +167,15 @@ def _paired_rows(
 
 
 def table(
-    runs: list[RunData], keys: list[str], baseline: str | None, effect: float = 0.1
+    runs: list[RunData],
+    keys: list[str],
+    baseline: str | None,
+    effect: float = 0.1,
+    start: tuple[str, dict[str, dict[float, float]]] | None = None,
 ) -> tuple[str, list[str]]:
     """The markdown table(s) and the warnings (``effect``: the difference the ``seeds for``
-    column sizes the study for)."""
+    column sizes the study for; ``start``: (name, metrics) of a run whose first validation
+    is every run's start point, for the baseline's own gain)."""
     warnings: list[str] = []
     methods = by_method(runs)
     lines: list[str] = []
@@ -148,7 +198,16 @@ def table(
         rows, per = _method_rows(methods, key, base_wall, warnings)
         lines += [*rows, ""]
         if baseline is not None and baseline in per:
-            lines += _paired_rows(per, baseline, key, effect, warnings)
+            name = None
+            if start is not None:
+                pts = sorted(start[1].get(key, {}).items())
+                if not pts:
+                    warnings.append(f"{key}: the start run {start[0]} does not log it")
+                else:
+                    name = start[0]
+                    b = per[baseline]
+                    b["first"] = dict.fromkeys(b["final"], pts[0][1])
+            lines += _paired_rows(per, baseline, key, effect, warnings, name)
     return "\n".join(lines), warnings
 
 
