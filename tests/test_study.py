@@ -511,6 +511,36 @@ def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
         run_study(f, out, jobs=0)
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_jobs_also_bound_the_regime_calibrations(tmp_path, monkeypatch, jobs):
+    # two calibrations (the regime's method and a criterion's other method), each a "fit"
+    # that records when it ran: --jobs 1 runs them one after the other, --jobs 2 side by side
+    from salvage.commands import study as study_mod
+
+    f = _write(
+        tmp_path / "s.yaml",
+        f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: [], vh: []}}\n"
+        "regime:\n  method: grpo\n  criteria:\n"
+        "    - {metric: rollout/success_rate, stat: mean, '>=': 0.5}\n"
+        "    - {method: vh, metric: rollout/success_rate, stat: mean, '>=': 0.5}\n",
+    )
+    script = (
+        "import sys, time; p = sys.argv[1]; open(p + '/t', 'w').write(str(time.time()) + ' ');"
+        "time.sleep(1.5); open(p + '/t', 'a').write(str(time.time()))"
+    )
+    monkeypatch.setattr(
+        study_mod.Run, "command", lambda self: [sys.executable, "-c", script, str(self.dir)]
+    )
+    out = tmp_path / "o"
+    assert run_study(f, out, jobs=jobs) == 3  # no metrics: the criteria fail, no record run
+    (s0, e0), (s1, e1) = (
+        map(float, (out / "_calibration" / m / "seed0" / "t").read_text().split())
+        for m in ("grpo", "vh")
+    )
+    overlapped = max(s0, s1) < min(e0, e1)
+    assert overlapped == (jobs == 2)
+
+
 def test_execute_marks_only_a_clean_exit_done(tmp_path):
     run = tmp_path / "m" / "seed0"
     fail = [sys.executable, "-c", "print('boom'); raise SystemExit(3)"]

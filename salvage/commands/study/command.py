@@ -147,7 +147,7 @@ def _run_study(
     if rc is not None:
         return rc
     if study.regime is not None:
-        rc_regime, regime = check_regime(study, out_dir, backend, address, skip_regime)
+        rc_regime, regime = check_regime(study, out_dir, backend, address, skip_regime, jobs)
         info["regime"] |= {"passed": regime.get("passed"), "checked": regime.get("checked")}
         write_json(out_dir / "study.json", info)
         if rc_regime is not None:
@@ -181,7 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="study dir (default runs/studies/<name>)")
     p.add_argument("--backend", choices=("local", "ray"), default="local")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: local)")
-    p.add_argument("--jobs", type=int, default=1, help="local backend: runs at a time (default 1)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="local backend: runs at a time, the regime's calibrations too (default 1)",
+    )
     p.add_argument(
         "--skip-regime",
         action="store_true",

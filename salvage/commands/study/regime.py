@@ -140,9 +140,12 @@ def regime_table(verdicts: list[Verdict]) -> str:
     )
 
 
-def _calibrate(study: Study, cals: list[Run], backend: str, address: str | None) -> int | None:
-    """Run the unfinished calibration runs (side by side); the exit code to stop the study
-    with when one did not finish, else None."""
+def _calibrate(
+    study: Study, cals: list[Run], backend: str, address: str | None, jobs: int | None = None
+) -> int | None:
+    """Run the unfinished calibration runs, ``jobs`` at a time (None: all side by side, as the
+    Ray backend does); the exit code to stop the study with when one did not finish, else
+    None."""
     for c in cals:
         if c.done and ran_with_other_args(c):
             print(
@@ -153,7 +156,8 @@ def _calibrate(study: Study, cals: list[Run], backend: str, address: str | None)
     todo = [c for c in cals if not c.done]
     for c in todo:
         print(f"study {study.name}: regime check: calibration -> {c.dir}", flush=True)
-    outcomes = run_all(study, todo, backend, address, len(todo)) if todo else []
+    at_once = len(todo) if jobs is None else max(1, min(jobs, len(todo)))
+    outcomes = run_all(study, todo, backend, address, at_once) if todo else []
     if not outcomes:
         return None
     rc = outcomes[0][1]
@@ -205,6 +209,7 @@ def check_regime(
     backend: str = "local",
     address: str | None = None,
     skip: bool = False,
+    jobs: int | None = None,
 ) -> tuple[int | None, dict[str, Any]]:
     """Run (or reuse) the calibration, print and record its criteria in ``regime.json``.
 
@@ -215,7 +220,7 @@ def check_regime(
 
     cals = calibration_runs(study, out_dir)
     assert cals and study.regime is not None
-    rc = _calibrate(study, cals, backend, address)
+    rc = _calibrate(study, cals, backend, address, jobs)
     if rc is not None:
         return rc, {}
     series = {c.method: read_run(c.dir) for c in cals}
