@@ -27,7 +27,10 @@ Writes into ``--out`` (default ``STUDY_DIR/compare``, or ``./compare`` for run d
   t-test at alpha 0.05, the standard approximation without the noncentral t), and the
   seeds needed for a difference of ``--effect`` (default 0.1): the smallest n >= 2 with
   ``(t_{0.975, n-1} + t_{0.8, n-1}) * SD / sqrt(n) <= effect`` at that SD; "n/a" with one
-  paired seed or an SD of 0;
+  paired seed or an SD of 0; above that table, the baseline's own gain on the key (per seed
+  its final minus its first validation, mean ± CI; ``--start RUN``: a shared warm start's
+  first validation instead, e.g. when runs first validate after update 100), and per
+  comparison whether its MDD is at most half that gain;
 - GRAFT runs (``exchange.jsonl`` with per-response rows): ``compat_log_s.png``, the
   distribution of ``log s`` per direction (one panel each, one histogram per method, a
   line at ``log delta``), and per method and direction the admitted fraction of the
