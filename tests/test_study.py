@@ -487,12 +487,10 @@ def test_a_run_restored_from_a_record_is_not_flagged(tmp_path, capsys, monkeypat
     assert "grpo/seed0" not in err
 
 
-def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
-    # each "fit" records when it starts and ends and sleeps 1.5 s: with --jobs 2 the two runs
-    # overlap in time (sequentially the second starts after the first ended), both end done
+def _timed_fits(monkeypatch) -> None:
+    """Each run's "fit" writes when it starts and ends to RUN/t and sleeps 1.5 s between."""
     from salvage.commands import study as study_mod
 
-    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0, 1]\nmethods: {{grpo: []}}\n")
     script = (
         "import sys, time; p = sys.argv[1]; open(p + '/t', 'w').write(str(time.time()) + ' ');"
         "time.sleep(1.5); open(p + '/t', 'a').write(str(time.time()))"
@@ -500,6 +498,13 @@ def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
     monkeypatch.setattr(
         study_mod.Run, "command", lambda self: [sys.executable, "-c", script, str(self.dir)]
     )
+
+
+def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
+    # each "fit" records when it starts and ends and sleeps 1.5 s: with --jobs 2 the two runs
+    # overlap in time (sequentially the second starts after the first ended), both end done
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0, 1]\nmethods: {{grpo: []}}\n")
+    _timed_fits(monkeypatch)
     out = tmp_path / "o"
     assert run_study(f, out, jobs=2) == 0
     (s0, e0), (s1, e1) = (
@@ -515,8 +520,6 @@ def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
 def test_jobs_also_bound_the_regime_calibrations(tmp_path, monkeypatch, jobs):
     # two calibrations (the regime's method and a criterion's other method), each a "fit"
     # that records when it ran: --jobs 1 runs them one after the other, --jobs 2 side by side
-    from salvage.commands import study as study_mod
-
     f = _write(
         tmp_path / "s.yaml",
         f"base: {TINY}\nseeds: [0]\nmethods: {{grpo: [], vh: []}}\n"
@@ -524,13 +527,7 @@ def test_jobs_also_bound_the_regime_calibrations(tmp_path, monkeypatch, jobs):
         "    - {metric: rollout/success_rate, stat: mean, '>=': 0.5}\n"
         "    - {method: vh, metric: rollout/success_rate, stat: mean, '>=': 0.5}\n",
     )
-    script = (
-        "import sys, time; p = sys.argv[1]; open(p + '/t', 'w').write(str(time.time()) + ' ');"
-        "time.sleep(1.5); open(p + '/t', 'a').write(str(time.time()))"
-    )
-    monkeypatch.setattr(
-        study_mod.Run, "command", lambda self: [sys.executable, "-c", script, str(self.dir)]
-    )
+    _timed_fits(monkeypatch)
     out = tmp_path / "o"
     assert run_study(f, out, jobs=jobs) == 3  # no metrics: the criteria fail, no record run
     (s0, e0), (s1, e1) = (
