@@ -516,6 +516,31 @@ def test_jobs_run_local_runs_side_by_side(tmp_path, monkeypatch):
         run_study(f, out, jobs=0)
 
 
+def test_methods_and_seeds_select_the_record_runs(tmp_path, monkeypatch, capsys):
+    # --methods a --seeds 1 runs only a/seed1 of the 2 x 2; the others start on a later call
+    # without the selection; an unknown method or seed fails before any run, naming it
+    f = _write(tmp_path / "s.yaml", f"base: {TINY}\nseeds: [0, 1]\nmethods: {{a: [], b: []}}\n")
+    _timed_fits(monkeypatch)
+    out = tmp_path / "o"
+    with pytest.raises(ValueError, match=r"--methods: c not a method of .*\(its methods: a, b\)"):
+        run_study(f, out, methods=["a", "c"])
+    with pytest.raises(ValueError, match=r"--seeds: 7 not a seed of .*\(its seeds: 0, 1\)"):
+        run_study(f, out, seeds=[7])
+    assert not (out / "a").exists()
+    assert run_study(f, out, methods=["a"], seeds=[1]) == 0
+    done = sorted(str(p.parent.relative_to(out)) for p in out.glob("*/seed*/done.json"))
+    assert done == ["a/seed1"]
+    assert "1 of 4 runs selected" in capsys.readouterr().out
+    assert run_study(f, out, methods=["b"]) == 0
+    done = sorted(str(p.parent.relative_to(out)) for p in out.glob("*/seed*/done.json"))
+    assert done == ["a/seed1", "b/seed0", "b/seed1"]
+    assert "2 of 4 runs selected" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        study_main([str(f), "--seeds", "x"])
+    assert e.value.code == 2
+    assert "--seeds: expected comma-separated integers, got 'x'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_jobs_also_bound_the_regime_calibrations(tmp_path, monkeypatch, jobs):
     # two calibrations (the regime's method and a criterion's other method), each a "fit"

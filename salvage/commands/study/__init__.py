@@ -67,7 +67,9 @@ The study dir (``--out``; default ``runs/studies/<name>``) holds ``study.json`` 
 run) and one run dir per (method, seed). A run that exited 0 has ``done.json`` (its command
 and exit code) and is skipped on later calls; a run without it is started again, resuming
 through ``--ckpt_path last`` when the run dir holds a ``last.ckpt``, so a study interrupted at
-any point finishes on the next call. A run stopped by a signal (``salvage fit`` exits 75 on
+any point finishes on the next call. ``--methods a,b`` and ``--seeds 0,2`` start only
+those record runs (the prepare steps and the regime check run as always; an unknown name or
+seed is an error before any run). A run stopped by a signal (``salvage fit`` exits 75 on
 SIGTERM, 130 on SIGINT) is "stopped", never done.
 
 Processes and locks: each run's ``salvage fit`` is its own session (``RUN/child.pid`` holds

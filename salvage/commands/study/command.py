@@ -41,14 +41,18 @@ def run_study(
     address: str | None = None,
     jobs: int = 1,
     skip_regime: bool = False,
+    methods: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> int:
     """Run the study's unfinished runs. Exit codes: 0 every run done; 1 a run (or a prepare
     step, or the calibration) failed; 3 the regime check failed; 75 (130) stopped by SIGTERM
     (SIGINT), or a run was; ``Busy`` when another study holds the study dir. ``jobs``: runs at
-    a time on the local backend."""
+    a time on the local backend. ``methods`` / ``seeds``: run only those record runs (the
+    regime check and the prepare steps are unchanged); None: all."""
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     study = load_study(path)
+    only = _only(study, methods, seeds)
     out_dir = Path(out) if out is not None else Path("runs") / "studies" / study.name
     bad = next((q for q in (out_dir, *out_dir.parents) if q.exists() and not q.is_dir()), None)
     if bad is not None:
@@ -61,9 +65,29 @@ def run_study(
     held = lock(out_dir / ".lock", f"study dir {out_dir}")
     try:
         with forwarding_signals():
-            return _run_study(study, out_dir, backend, address, jobs, skip_regime)
+            return _run_study(study, out_dir, backend, address, jobs, skip_regime, only)
     finally:
         held.close()
+
+
+def _only(
+    study: Study, methods: list[str] | None, seeds: list[int] | None
+) -> tuple[set[str], set[int]]:
+    """The (methods, seeds) a ``--methods`` / ``--seeds`` selection keeps, checked against the
+    study file before anything runs: an unknown name or seed is a ValueError naming it."""
+    bad_m = [m for m in methods or [] if m not in study.methods]
+    if bad_m:
+        raise ValueError(
+            f"--methods: {', '.join(bad_m)} not a method of {study.file} "
+            f"(its methods: {', '.join(study.methods)})"
+        )
+    bad_s = [s for s in seeds or [] if s not in study.seeds]
+    if bad_s:
+        raise ValueError(
+            f"--seeds: {', '.join(map(str, bad_s))} not a seed of {study.file} "
+            f"(its seeds: {', '.join(map(str, study.seeds))})"
+        )
+    return set(methods or study.methods), set(seeds if seeds else study.seeds)
 
 
 def _finish(study: Study, runs: list[Run], outcomes: list[Outcome], out_dir: Path) -> int:
@@ -138,10 +162,16 @@ def _prepare(study: Study, out_dir: Path) -> int | None:
 
 
 def _run_study(
-    study: Study, out_dir: Path, backend: str, address: str | None, jobs: int, skip_regime: bool
+    study: Study,
+    out_dir: Path,
+    backend: str,
+    address: str | None,
+    jobs: int,
+    skip_regime: bool,
+    only: tuple[set[str], set[int]] | None = None,
 ) -> int:
-    runs = plan(study, out_dir)
-    info = _study_info(study, runs, skip_regime)
+    every = plan(study, out_dir)
+    info = _study_info(study, every, skip_regime)
     write_json(out_dir / "study.json", info)
     rc = _prepare(study, out_dir)
     if rc is not None:
@@ -152,6 +182,11 @@ def _run_study(
         write_json(out_dir / "study.json", info)
         if rc_regime is not None:
             return rc_regime
+    runs = (
+        every if only is None else [r for r in every if r.method in only[0] and r.seed in only[1]]
+    )
+    if len(runs) < len(every):
+        print(f"study {study.name}: --methods/--seeds: {len(runs)} of {len(every)} runs selected")
     todo = [r for r in runs if not r.done]
     for r in runs:
         if r.done and ran_with_other_args(r):
@@ -167,6 +202,22 @@ def _run_study(
         flush=True,
     )
     return _finish(study, runs, run_all(study, todo, backend, address, jobs), out_dir)
+
+
+def _names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _names(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,9 +243,23 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="run and record the regime check, but start the record runs even if it fails",
     )
+    p.add_argument(
+        "--methods",
+        type=_names,
+        default=None,
+        help="comma-separated methods: run only their record runs (default: every method)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=_ints,
+        default=None,
+        help="comma-separated seeds: run only their record runs (default: every seed)",
+    )
     a = p.parse_args(argv)
     try:
-        rc = run_study(a.study, a.out, a.backend, a.ray_address, a.jobs, a.skip_regime)
+        rc = run_study(
+            a.study, a.out, a.backend, a.ray_address, a.jobs, a.skip_regime, a.methods, a.seeds
+        )
     except ValueError as e:  # Busy included: exit 2 naming the holder
         p.exit(EXIT_BUSY, f"salvage study: error: {' '.join(str(e).split())}\n")
     sys.exit(rc)
