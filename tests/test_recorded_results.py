@@ -14,7 +14,10 @@ RESULTS = ROOT / "docs" / "results"
 VHGPO_METRICS = ["--metric", "val/success/indist", "--metric", "val/success/dev"]
 TABLES = {  # (study, table file) -> the compare arguments that made it
     # its baseline's gain from the shared warm start's own validation (update 0), as kept
-    ("graft_arith_small", "compare.md"): ["--start", "docs/results/graft_arith_small/warmstart/run"],
+    ("graft_arith_small", "compare.md"): [
+        "--start",
+        "docs/results/graft_arith_small/warmstart/run",
+    ],
     ("vhgpo_twx", "compare.md"): VHGPO_METRICS,
     ("vhgpo_twx", "compare_vs_no_handoff.md"): ["--baseline", "no_handoff", *VHGPO_METRICS],
     ("vhgpo_twx", "compare_vs_extra_student_rollouts.md"): [
