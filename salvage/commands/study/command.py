@@ -87,7 +87,7 @@ def _only(
             f"--seeds: {', '.join(map(str, bad_s))} not a seed of {study.file} "
             f"(its seeds: {', '.join(map(str, study.seeds))})"
         )
-    return set(methods or study.methods), set(seeds if seeds else study.seeds)
+    return set(methods or study.methods), set(seeds or study.seeds)
 
 
 def _finish(study: Study, runs: list[Run], outcomes: list[Outcome], out_dir: Path) -> int:
@@ -168,7 +168,7 @@ def _run_study(
     address: str | None,
     jobs: int,
     skip_regime: bool,
-    only: tuple[set[str], set[int]] | None = None,
+    only: tuple[set[str], set[int]],
 ) -> int:
     every = plan(study, out_dir)
     info = _study_info(study, every, skip_regime)
@@ -182,9 +182,7 @@ def _run_study(
         write_json(out_dir / "study.json", info)
         if rc_regime is not None:
             return rc_regime
-    runs = (
-        every if only is None else [r for r in every if r.method in only[0] and r.seed in only[1]]
-    )
+    runs = [r for r in every if r.method in only[0] and r.seed in only[1]]
     if len(runs) < len(every):
         print(f"study {study.name}: --methods/--seeds: {len(runs)} of {len(every)} runs selected")
     todo = [r for r in runs if not r.done]
