@@ -7,6 +7,12 @@ For every run dir with ``done.json`` (and the calibration runs under ``_calibrat
 relay records gzipped (``exchange.jsonl.gz``, ``relays.jsonl.gz``); no checkpoints. Also the
 study's ``study.json`` and ``regime.json``, and ``status.json``: which runs are done,
 stopped (a checkpoint but no ``done.json``) or not started. Rerun it as runs finish.
+
+With ``--checkpoints``, a stopped run is recorded too, under ``_stopped/<method>/seed<k>``
+(never compared: ``salvage compare`` skips ``_`` dirs): its versions' files as above plus
+``checkpoints/last.ckpt``, so that a study whose runs outlast a session can go on in a fresh
+checkout (stop it with SIGTERM first: each fit ends its update and writes ``last.ckpt``).
+Once the run is done, recording it removes its ``_stopped`` copy.
 Absolute paths of the machine (``--strip``, default the current directory and the Python
 executable's environment) are cut from the text files copied, so the record names
 repository-relative paths (``python`` for the interpreter).
@@ -14,9 +20,10 @@ repository-relative paths (``python`` for the interpreter).
     python studies/record_runs.py --restore docs/results/vhgpo_twx/record runs/studies/vhgpo_twx
 
 puts a record's finished runs back into a study dir (``done.json``, ``metrics.csv``,
-``config.yaml``, the exchange / relay records unzipped): on a new machine, ``salvage study``
-then skips them and runs only the rest, and ``salvage compare`` reads them all. It never
-overwrites a run dir that exists.
+``config.yaml``, the exchange / relay records unzipped), and its ``_stopped`` runs with their
+checkpoints: on a new machine, ``salvage study`` then skips the finished runs, resumes the
+stopped ones (``--ckpt_path last``) and runs the rest, and ``salvage compare`` reads the
+finished ones. It never overwrites a run dir that exists.
 """
 
 from __future__ import annotations
@@ -24,8 +31,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import shutil
 import sys
 from pathlib import Path
+
+STOPPED = "_stopped"
+"""Where a record keeps its stopped runs (with their checkpoints), relative to the record."""
 
 
 def _strip(text: str, prefixes: list[str]) -> str:
@@ -45,7 +56,27 @@ def _copy(src: Path, dst: Path, prefixes: list[str], gz: bool = False) -> None:
         dst.write_text(text, encoding="utf-8")
 
 
-def record(study_dir: Path, out: Path, prefixes: list[str]) -> dict[str, list[str]]:
+def _copy_versions(src: Path, dst: Path, prefixes: list[str], checkpoint: bool) -> None:
+    """Each ``version_*`` of a run: its metrics, config, records (gzipped) and, with
+    ``checkpoint``, its ``checkpoints/last.ckpt`` (bytes as they are)."""
+    for version in sorted(src.glob("version_*")):
+        vdst = dst / version.name
+        vdst.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.csv", "config.yaml", *(("stage.txt",) if checkpoint else ())):
+            if (version / name).is_file():
+                _copy(version / name, vdst / name, prefixes)
+        for name in ("exchange.jsonl", "relays.jsonl"):
+            if (version / name).is_file():
+                _copy(version / name, vdst / f"{name}.gz", prefixes, gz=True)
+        ckpt = version / "checkpoints" / "last.ckpt"
+        if checkpoint and ckpt.is_file():
+            (vdst / "checkpoints").mkdir(exist_ok=True)
+            shutil.copyfile(ckpt, vdst / "checkpoints" / "last.ckpt")
+
+
+def record(
+    study_dir: Path, out: Path, prefixes: list[str], checkpoints: bool = False
+) -> dict[str, list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("study.json", "regime.json"):
         if (study_dir / name).is_file():
@@ -56,25 +87,27 @@ def record(study_dir: Path, out: Path, prefixes: list[str]) -> dict[str, list[st
     calib = sorted(p.relative_to(study_dir) for p in study_dir.glob("_calibration/*/seed*"))
     for rel in [*calib, *runs]:
         src = study_dir / rel
+        kept = out / STOPPED / rel
         if not (src / "done.json").is_file():
             if rel in runs:
-                key = "stopped" if any(src.glob("**/last.ckpt")) else "not_started"
-                status[key].append(str(rel))
+                stopped = any(src.glob("**/last.ckpt"))
+                status["stopped" if stopped else "not_started"].append(str(rel))
+                if stopped and checkpoints:
+                    shutil.rmtree(kept, ignore_errors=True)  # the latest checkpoint only
+                    _copy_versions(src, kept, prefixes, checkpoint=True)
             continue
         if rel in runs:
             status["done"].append(str(rel))
         dst = out / rel
         dst.mkdir(parents=True, exist_ok=True)
         _copy(src / "done.json", dst / "done.json", prefixes)
-        for version in sorted(src.glob("version_*")):
-            vdst = dst / version.name
-            vdst.mkdir(exist_ok=True)
-            for name in ("metrics.csv", "config.yaml"):
-                if (version / name).is_file():
-                    _copy(version / name, vdst / name, prefixes)
-            for name in ("exchange.jsonl", "relays.jsonl"):
-                if (version / name).is_file():
-                    _copy(version / name, vdst / f"{name}.gz", prefixes, gz=True)
+        _copy_versions(src, dst, prefixes, checkpoint=False)
+        if kept.exists():  # done now: its checkpoint is not needed
+            shutil.rmtree(kept)
+            for d in kept.parents:  # and the dirs it leaves empty
+                if d == out or any(d.iterdir()):
+                    break
+                d.rmdir()
     (out / "status.json").write_text(json.dumps(status, indent=2) + "\n", encoding="utf-8")
     return status
 
@@ -82,24 +115,32 @@ def record(study_dir: Path, out: Path, prefixes: list[str]) -> dict[str, list[st
 def restore(record_dir: Path, study_dir: Path) -> list[str]:
     """Copy the finished runs of a record back into ``study_dir``; the runs restored."""
     restored: list[str] = []
-    for done in sorted(record_dir.glob("**/done.json")):
-        src = done.parent
-        rel = src.relative_to(record_dir)
+    stopped_root = record_dir / STOPPED
+    done_dirs = [d.parent for d in sorted(record_dir.glob("**/done.json"))]
+    done_dirs = [d for d in done_dirs if stopped_root not in d.parents]
+    stopped_dirs = sorted(c.parents[2] for c in stopped_root.glob("**/checkpoints/last.ckpt"))
+    for src, rel in [
+        *((d, d.relative_to(record_dir)) for d in done_dirs),
+        *((d, d.relative_to(stopped_root)) for d in dict.fromkeys(stopped_dirs)),
+    ]:
         dst = study_dir / rel
         if dst.exists():
             continue
         dst.mkdir(parents=True)
-        (dst / "done.json").write_bytes(done.read_bytes())
+        if (src / "done.json").is_file():
+            (dst / "done.json").write_bytes((src / "done.json").read_bytes())
         for version in sorted(src.glob("version_*")):
-            vdst = dst / version.name
-            vdst.mkdir()
-            for f in version.iterdir():
+            for f in sorted(version.rglob("*")):
+                if f.is_dir():
+                    continue
+                target = dst / version.name / f.relative_to(version)
+                target.parent.mkdir(parents=True, exist_ok=True)
                 if f.suffix == ".gz":
                     with gzip.open(f, "rb") as g:
-                        (vdst / f.stem).write_bytes(g.read())
+                        target.with_suffix("").write_bytes(g.read())
                 else:
-                    (vdst / f.name).write_bytes(f.read_bytes())
-        restored.append(str(rel))
+                    shutil.copyfile(f, target)
+        restored.append(str(rel) + ("" if (src / "done.json").is_file() else " (stopped)"))
     return restored
 
 
@@ -118,6 +159,11 @@ def main() -> None:
         help="copy the record's finished runs back into the study dir instead",
     )
     p.add_argument(
+        "--checkpoints",
+        action="store_true",
+        help=f"also record each stopped run with its last.ckpt, under {STOPPED}/ (to resume elsewhere)",
+    )
+    p.add_argument(
         "--strip",
         action="append",
         default=None,
@@ -129,7 +175,7 @@ def main() -> None:
         done = restore(Path(a.study_dir), Path(a.out))
         print(f"restored {len(done)} runs: {', '.join(done) or '-'}")
         return
-    s = record(Path(a.study_dir), Path(a.out), a.strip or [str(Path.cwd())])
+    s = record(Path(a.study_dir), Path(a.out), a.strip or [str(Path.cwd())], a.checkpoints)
     print(", ".join(f"{k}: {len(v)}" for k, v in s.items()))
 
 

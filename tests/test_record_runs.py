@@ -86,3 +86,46 @@ def test_record_then_restore_gives_back_the_finished_runs(tmp_path):
     (r / "version_0/metrics.csv").write_text("mine\n")
     assert rr.restore(out, fresh) == []
     assert (r / "version_0/metrics.csv").read_text() == "mine\n"
+
+
+def test_checkpoints_keep_a_stopped_run_to_resume_in_a_fresh_checkout(tmp_path):
+    # --checkpoints: the stopped run goes under _stopped/ with its last.ckpt (and metrics);
+    # --restore puts it back where salvage study resumes it; once done, its copy goes
+    rr = _module()
+    study = _study(tmp_path)
+    v = study / "vhgpo/seed0/version_0"
+    (v / "metrics.csv").write_text("step,rollout/success_rate\n0,0.1\n")
+    (v / "relays.jsonl").write_text('{"retained": false}\n')
+    (v / "checkpoints/last.ckpt").write_bytes(b"\x00\x01ckpt")
+    (v / "stage.txt").write_text("fit\n")
+    out = tmp_path / "record"
+    assert rr.record(study, out, [str(tmp_path / "checkout")])["stopped"] == ["vhgpo/seed0"]
+    assert not (out / "_stopped").exists()  # without --checkpoints: as before
+    status = rr.record(study, out, [str(tmp_path / "checkout")], checkpoints=True)
+    assert status["stopped"] == ["vhgpo/seed0"]
+    kept = out / "_stopped/vhgpo/seed0/version_0"
+    assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*") if p.is_file()) == [
+        "checkpoints/last.ckpt",
+        "metrics.csv",
+        "relays.jsonl.gz",
+        "stage.txt",
+    ]
+    assert not (out / "vhgpo").exists()  # not among the finished runs
+
+    fresh = tmp_path / "fresh"
+    assert rr.restore(out, fresh) == [
+        "_calibration/grpo/seed0",
+        "grpo/seed0",
+        "vhgpo/seed0 (stopped)",
+    ]
+    r = fresh / "vhgpo/seed0"
+    assert not (r / "done.json").exists()
+    assert (r / "version_0/checkpoints/last.ckpt").read_bytes() == b"\x00\x01ckpt"
+    assert (r / "version_0/relays.jsonl").read_text() == '{"retained": false}\n'
+    assert (r / "version_0/metrics.csv").read_text() == "step,rollout/success_rate\n0,0.1\n"
+
+    (study / "vhgpo/seed0/done.json").write_text(json.dumps({"command": ["python"]}))
+    status = rr.record(study, out, [str(tmp_path / "checkout")], checkpoints=True)
+    assert status["done"] == ["grpo/seed0", "vhgpo/seed0"] and status["stopped"] == []
+    assert not (out / "_stopped").exists()
+    assert not (out / "vhgpo/seed0/version_0/checkpoints").exists()
