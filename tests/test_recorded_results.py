@@ -19,6 +19,10 @@ TABLES = {  # (study, table file) -> the compare arguments that made it
         "docs/results/graft_arith_small/warmstart/run",
     ],
     ("vhgpo_twx", "compare.md"): VHGPO_METRICS,
+    ("vhgpo_twx_small", "compare.md"): [
+        *("--metric", "val/success/twc1", "--metric", "val/success/twc2"),
+        *("--metric", "val/success"),
+    ],
     ("vhgpo_twx", "compare_vs_no_handoff.md"): ["--baseline", "no_handoff", *VHGPO_METRICS],
     ("vhgpo_twx", "compare_vs_extra_student_rollouts.md"): [
         "--baseline",
